@@ -1,0 +1,39 @@
+# Two entry points (see README Quickstart): `make run` and `make test`. Both set up .venv first.
+PY      ?= python3
+VENV    ?= .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.flowrl-installed
+EXTRAS  ?= dev,ray
+# torch is pinned by constraints.txt so a CPU machine never pulls the CUDA build (see README).
+PIP     := $(BIN)/pip install -q -c constraints.txt
+
+.PHONY: setup run test lint typecheck bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt
+	@command -v dot >/dev/null 2>&1 || { (apt-get update -qq && apt-get install -y -qq graphviz >/dev/null) \
+	  || echo "note: could not install graphviz's 'dot' (apt-get install graphviz / brew install graphviz); flowrl viz can still write .dot"; }
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(PIP) --upgrade pip
+	$(PIP) torch==2.13.0
+	$(PIP) -e '.[$(EXTRAS)]'
+	touch $(STAMP)
+
+run: setup
+	$(BIN)/flowrl run examples/grpo_arith.flow --out runs/grpo_arith
+
+lint: setup
+	$(BIN)/ruff check .
+
+typecheck: setup
+	$(BIN)/mypy -p flowrl
+
+test: lint typecheck
+	$(BIN)/python -m pytest -q -p no:cacheprovider
+
+bench: setup
+	$(BIN)/python bench/run_all.py
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,58 @@
+"""The local backend: worker groups are in-process `ModelWorker`s; calls run synchronously in order."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from flowrl.ir.graph import Graph
+from flowrl.runtime.protocol import Done, Future, WorkerGroup
+from flowrl.runtime.worker import ModelWorker
+
+
+class LocalWorkerGroup:
+    """One rank, in this process, so every dispatch mode is a single call. A model placed in several groups
+    (split placement) is built once and shared: the in-process equivalent of weight sync."""
+
+    def __init__(self, name: str, workers: Mapping[str, ModelWorker]):
+        self.name, self.world = name, 1
+        self.workers = dict(workers)  # model name -> the worker holding it
+
+    def call(self, method: str, *args: Any, dispatch: str = "split", **kwargs: Any) -> Future:
+        model = args[0] if args else None
+        worker = self.workers[model] if isinstance(model, str) else next(iter(self.workers.values()))
+        try:
+            return Done(getattr(worker, method)(*args, **kwargs))
+        except Exception as e:  # surfaced at result(), like a remote call's error
+            return Done(error=e)
+
+    def _unique(self) -> list[ModelWorker]:
+        return list({id(w): w for w in self.workers.values()}.values())
+
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = {}
+        for w in self._unique():
+            state.update(w.state_dict())
+        return state
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        for w in self._unique():
+            w.load_state_dict(state)
+
+
+class LocalBackend:
+    name = "local"
+
+    def start(self, graph: Graph, *, seed: int, device: str) -> dict[str, WorkerGroup]:
+        groups: dict[str, WorkerGroup] = {}
+        built: dict[str, ModelWorker] = {}
+        for wg in graph.worker_groups:
+            fresh = [graph.model(m) for m in wg.models if m not in built]
+            if fresh:
+                worker = ModelWorker(fresh, graph.models, seed=seed, device=device)
+                built.update({m.name: worker for m in fresh})
+            groups[wg.name] = LocalWorkerGroup(wg.name, {m: built[m] for m in wg.models})
+        return groups
+
+    def shutdown(self) -> None:
+        pass

@@ -1,0 +1,98 @@
+"""Helpers that turn a position in a flow source into a `flowrl.errors.Diagnostic` (parser and lowering).
+
+A `Source` is a file's path and text; `Source.error(...)` builds the diagnostic with file:line:col, the
+source line and a caret under the node. `did_you_mean` gives the "did you mean `x`?" hint.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from flowrl.errors import Diagnostic, FlowError, Loc
+
+from .ast import Located, Span, strip_comment
+
+
+@dataclass(frozen=True)
+class Source:
+    """A flow file (or a template file, or the `--set` overrides) as diagnostics see it."""
+
+    path: str
+    text: str
+
+    def line(self, n: int) -> str:
+        lines = self.text.split("\n")
+        return lines[n - 1].rstrip("\r") if 0 < n <= len(lines) else ""
+
+    def loc(self, where: Located | Span) -> Loc:
+        if isinstance(where, Span):
+            end = where.end_col if where.end_line == where.line else where.col + 1
+            return Loc(self.path, where.line, where.col, end)
+        return Loc(self.path, where.line, where.col, where.end_col)
+
+    def text_of(self, where: Located | Span) -> str:
+        """The source text of a node, comments dropped, each line break and its indentation folded to a space."""
+        span = where if isinstance(where, Span) else where.span
+        raw = self.text[span.start_pos:span.end_pos]
+        parts = (strip_comment(part).strip() for part in raw.splitlines())
+        return " ".join(p for p in parts if p)
+
+    def error(self, message: str, where: Located | Span, hint: str | None = None) -> Diagnostic:
+        loc = self.loc(where)
+        return Diagnostic(message, loc, hint=hint, source_line=self.line(loc.line))
+
+    def error_at(self, message: str, line: int, col: int, width: int = 1, hint: str | None = None) -> Diagnostic:
+        return Diagnostic(message, Loc(self.path, line, col, col + max(width, 1)), hint=hint,
+                          source_line=self.line(line))
+
+
+def closest(name: str, candidates: Iterable[str]) -> str | None:
+    """The candidate most similar to `name` (difflib ratio >= 0.6), or None."""
+    found = difflib.get_close_matches(name, sorted(set(candidates) - {name}), n=1, cutoff=0.6)
+    return found[0] if found else None
+
+
+def did_you_mean(name: str, candidates: Iterable[str]) -> str | None:
+    """"did you mean `x`?" for the closest candidate, or None when nothing is close."""
+    best = closest(name, candidates)
+    return f"did you mean `{best}`?" if best else None
+
+
+def one_of(names: Iterable[str]) -> str:
+    """`a`, `b` or `c` — for messages listing what is allowed."""
+    items = [f"`{n}`" for n in names]
+    if not items:
+        return "nothing"
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " or " + items[-1]
+
+
+class Reporter:
+    """Collects every diagnostic of a compilation; `check()` raises them together (torchtune style)."""
+
+    def __init__(self) -> None:
+        self.diagnostics: list[Diagnostic] = []
+
+    def error(self, src: Source, message: str, where: Located | Span, hint: str | None = None) -> None:
+        self.add(src.error(message, where, hint))
+
+    def add(self, diag: Diagnostic) -> None:
+        if diag not in self.diagnostics:  # the same literal reached twice through a template: report once
+            self.diagnostics.append(diag)
+
+    def extend(self, diags: Iterable[Diagnostic]) -> None:
+        for d in diags:
+            self.add(d)
+
+    def check(self, main_path: str) -> None:
+        """Raise FlowError with all diagnostics, the main file's first, each file's in line order."""
+        if not self.diagnostics:
+            return
+
+        def key(d: Diagnostic) -> tuple[bool, str, int, int]:
+            if d.loc is None:
+                return (True, "", 0, 0)
+            return (d.loc.path != main_path, d.loc.path, d.loc.line, d.loc.col)
+
+        raise FlowError(sorted(self.diagnostics, key=key))

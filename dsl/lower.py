@@ -1,0 +1,449 @@
+"""AST -> `flowrl.ir.Graph`: the second stage of the front end, after `dsl.parser`.
+
+Checks the declarations (models, rewards, data, run, imports; Python references and data files are
+resolved now, not mid-run), expands the `use`d template or takes the `step`, lowers it with
+`dsl.steps`, places it with `dsl.placement`, and raises one FlowError holding every problem in the file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import flowrl.rewards  # noqa: F401  (registers the shipped rewards by name)
+from flowrl import registry
+from flowrl.data.jsonl import read_jsonl
+from flowrl.errors import DataError
+from flowrl.ir.graph import ROLES, DataDecl, Graph, ModelDecl, Range, Ref, RewardDecl, Value, frozen
+from flowrl.ir.signatures import DATA_KEYS, ENGINES, MODEL_KEYS, RUN_KEYS
+
+from . import ast
+from .diagnostics import Reporter, Source, did_you_mean
+from .overrides import Overrides, parse_overrides
+from .placement import Placer, ReplicasAt
+from .steps import Body, DataSource, StepLowering
+from .templates import Expander, UseArg, check_template
+from .values import KIND_NAMES, Binding, DataB, KindError, ModelB, RewardB, coerce, describe, to_value
+
+# A tiny model's config (`charset` makes its tokenizer); keys missing from MODEL_KEYS are ignored.
+CONFIG_KEYS = tuple(k for k in ("layers", "dim", "heads", "vocab", "context", "charset", "dropout") if k in MODEL_KEYS)
+SHAPE_KEYS = ("layers", "dim", "heads", "vocab", "context", "charset")  # fixed by the weights a model starts from
+FIELD_KEYS = ("source", "trainable", "lr", "engine", "gpus", "replicas")  # ModelDecl fields
+TRAINABLE_ROLES = ("policy", "critic")
+DATA_KINDS = ("jsonl",)
+
+
+def flow_folder(path: str) -> str:
+    """The folder relative paths in a flow are resolved against (the cwd for `<string>` sources)."""
+    if path.startswith("<"):
+        return os.getcwd()
+    return os.path.dirname(os.path.abspath(path))
+
+
+def default_flow_name(path: str) -> str:
+    return "flow" if path.startswith("<") else Path(path).stem
+
+
+@contextlib.contextmanager
+def _importable(folder: str) -> Iterator[None]:
+    """Let `import "my_rewards"` find a module next to the flow file while the flow is checked."""
+    added = folder not in sys.path
+    if added:
+        sys.path.insert(0, folder)
+    try:
+        yield
+    finally:
+        if added and folder in sys.path:
+            sys.path.remove(folder)
+
+
+@dataclass(frozen=True)
+class _Entry:
+    entry: ast.Entry
+    src: Source
+
+
+def lower(module: ast.Module, overrides: Mapping[str, str] | None = None) -> Graph:
+    """Lower a parsed flow to a Graph; raises FlowError listing every problem found."""
+    return _Lowering(module, overrides).run()
+
+
+class _Lowering:
+    def __init__(self, module: ast.Module, overrides: Mapping[str, str] | None) -> None:
+        self.module = module
+        self.src = Source(module.path, module.text)
+        self.rep = Reporter()
+        self.folder = flow_folder(module.path)
+        self.overrides = overrides
+        self.cycle_members: set[str] = set()  # models already reported in a source cycle
+
+    def run(self) -> Graph:
+        models_ast = [d for d in self.module.decls if isinstance(d, ast.ModelDecl)]
+        rewards_ast = [d for d in self.module.decls if isinstance(d, ast.RewardDecl)]
+        data_ast = [d for d in self.module.decls if isinstance(d, ast.DataDecl)]
+        self._unique_names([*models_ast, *rewards_ast, *data_ast])
+        iterations = [d for d in self.module.decls if isinstance(d, (ast.UseDecl, ast.StepDecl))]
+        ovr = parse_overrides(self.overrides, [d.name.name for d in models_ast], [d.name.name for d in data_ast],
+                              any(isinstance(d, ast.UseDecl) for d in iterations), self.rep)
+        with _importable(self.folder):
+            imports = self._imports()
+            rewards = [self._reward(d) for d in rewards_ast]
+        models, replicas_at = self._models(models_ast, ovr)
+        data, sources = self._data(data_ast, ovr)
+        run = self._run(ovr)
+        env: dict[str, Binding] = {}
+        for m in models:
+            env.setdefault(m.name, ModelB(m.name, m.role if m.role in ROLES else None, m.trainable))
+        for r in rewards:
+            env.setdefault(r.name, RewardB(r.name, r.target))
+        for d in data:
+            env.setdefault(d.name, DataB(d.name))
+        body, template = self._iteration(iterations, env, ovr)
+        nodes = StepLowering(self.rep, sources).lower(body) if body is not None else []
+        placements = [d for d in self.module.decls if isinstance(d, ast.PlacementDecl)]
+        pools, groups, nodes = Placer(self.rep, models, replicas_at).place(placements, self.src, nodes)
+        flow = self._flow_name()
+        self.rep.check(self.module.path)
+        return Graph(
+            flow=flow, path=self.module.path, models=tuple(models), nodes=tuple(nodes),
+            rewards=tuple(rewards), data=tuple(data), run=frozen(run), pools=pools, worker_groups=groups,
+            imports=tuple(imports), template=template,
+        )
+
+    # ---- names ----------------------------------------------------------------------------------
+
+    def _unique_names(self, decls: Sequence[ast.ModelDecl | ast.RewardDecl | ast.DataDecl]) -> None:
+        first: dict[str, ast.ModelDecl | ast.RewardDecl | ast.DataDecl] = {}
+        kinds = {ast.ModelDecl: "model", ast.RewardDecl: "reward", ast.DataDecl: "data"}
+        for d in sorted(decls, key=lambda d: (d.line, d.col)):
+            name, kind = d.name.name, kinds[type(d)]
+            if name in first:
+                prev = first[name]
+                prev_kind = kinds[type(prev)]
+                message = (f"duplicate {kind} name `{name}`" if prev_kind == kind
+                           else f"duplicate name `{name}`: it is already declared as {prev_kind}")
+                self.rep.error(self.src, message, d.name,
+                               hint=f"`{name}` is first declared on line {prev.line}; names must be unique")
+            else:
+                first[name] = d
+
+    def _flow_name(self) -> str:
+        flows = [d for d in self.module.decls if isinstance(d, ast.FlowDecl)]
+        for extra in flows[1:]:
+            self.rep.error(self.src, "a flow is named once", extra.name,
+                           hint=f"it is already named `{flows[0].name.name}` on line {flows[0].line}")
+        return flows[0].name.name if flows else default_flow_name(self.module.path)
+
+    # ---- Python references ----------------------------------------------------------------------
+
+    def _imports(self) -> list[str]:
+        out = []
+        for d in self.module.decls:
+            if not isinstance(d, ast.ImportDecl):
+                continue
+            name = str(d.module.value)
+            try:
+                registry.import_module(name)
+            except registry.ResolveError as e:
+                self.rep.error(self.src, str(e), d.module,
+                               hint="the module must be importable: installed, or next to the flow file")
+            out.append(name)
+        return out
+
+    def _reward(self, d: ast.RewardDecl) -> RewardDecl:
+        target = str(d.target.value)
+        batched = False
+        try:
+            batched = registry.resolve_reward(target).batched
+        except registry.ResolveError as e:
+            hint = did_you_mean(target, registry.REWARDS) if "." not in target else None
+            self.rep.error(self.src, f"cannot resolve reward \"{target}\": {e}", d.target,
+                           hint=hint or "a reward is a dotted path to a Python callable (\"pkg.module.fn\") or a "
+                                        "name registered with @flowrl.reward (add `import \"pkg.module\"`)")
+        return RewardDecl(d.name.name, target, self.src.loc(d), batched)
+
+    # ---- blocks ---------------------------------------------------------------------------------
+
+    def _block(self, entries: Sequence[ast.Entry], extra: Sequence[ast.Entry], ovr: Overrides,
+               keys: Mapping[str, tuple[str, Value]], what: str) -> dict[str, _Entry]:
+        """Known entries by key (an override replaces the flow's entry); unknown or repeated keys reported."""
+        out: dict[str, _Entry] = {}
+        for e, src in [*((e, self.src) for e in entries), *((e, ovr.src) for e in extra)]:
+            key = e.key.name
+            if key not in keys:
+                self.rep.error(src, f"unknown {what} key `{key}`", e.key,
+                               hint=did_you_mean(key, keys) or f"{what} keys: {', '.join(keys)}")
+                continue
+            if key in out and out[key].src is src:
+                self.rep.error(src, f"`{key}` is set twice", e.key, hint=f"first set on line {out[key].entry.line}")
+                continue
+            out[key] = _Entry(e, src)
+        return out
+
+    def _typed(self, key: str, kind: str, at: _Entry) -> tuple[bool, Value]:
+        """(True, the checked value), or (False, None) after reporting the problem."""
+        value = to_value(at.entry.value)
+        try:
+            return True, coerce(kind, value)
+        except KindError as err:
+            hint = f"write `{key} = {err.suggestion}`" if err.suggestion else None
+            self.rep.error(at.src, f"`{key}` must be {KIND_NAMES[kind]}, got {describe(value)}", at.entry.value,
+                           hint=hint)
+            return False, None
+
+    def _filled(self, block: dict[str, _Entry], keys: Mapping[str, tuple[str, Value]],
+                skip: Sequence[str] = ()) -> dict[str, Value]:
+        """Each key's checked value, or its default (also when the value was wrong: that is reported)."""
+        out: dict[str, Value] = {}
+        for key, (kind, default) in keys.items():
+            if key in skip:
+                continue
+            good, value = self._typed(key, kind, block[key]) if key in block else (False, None)
+            out[key] = value if good else default
+        return out
+
+    # ---- models ---------------------------------------------------------------------------------
+
+    def _models(self, decls: list[ast.ModelDecl], ovr: Overrides) -> tuple[list[ModelDecl], dict[str, ReplicasAt]]:
+        blocks = {d.name.name: self._block(d.entries, ovr.models.get(d.name.name, ()), ovr, MODEL_KEYS, "model")
+                  for d in decls}
+        own: dict[str, tuple[str, dict[str, Value]]] = {}  # models with a literal source: (source, config)
+        for d in decls:
+            if d.name.name in own:
+                continue
+            own_source = self._literal_source(d, blocks[d.name.name])
+            if own_source is not None:
+                own[d.name.name] = own_source
+        out: list[ModelDecl] = []
+        replicas_at: dict[str, ReplicasAt] = {}
+        seen: set[str] = set()
+        for d in decls:
+            name = d.name.name
+            if name in seen:
+                continue
+            seen.add(name)
+            block = blocks[name]
+            role = d.role.name
+            if role not in ROLES:
+                self.rep.error(self.src, f"unknown role `{role}`", d.role,
+                               hint=did_you_mean(role, ROLES) or f"roles: {', '.join(ROLES)}")
+            source, source_model, config = self._source(d, block, blocks, own)
+            fields = self._filled(block, MODEL_KEYS, skip=(*CONFIG_KEYS, "source", "replicas"))
+            trainable = fields.pop("trainable", None)
+            if trainable is None:
+                trainable = role in TRAINABLE_ROLES
+            lr = fields.pop("lr", None)
+            if "lr" not in block and not trainable:  # the default learning rate is for trainable models
+                lr = None
+            engine = str(fields.pop("engine", "torch"))
+            if "engine" in block and engine not in ENGINES:
+                self.rep.error(block["engine"].src, f"unknown engine \"{engine}\"", block["engine"].entry.value,
+                               hint=did_you_mean(engine, ENGINES) or f"engines: {', '.join(ENGINES)}")
+            gpus = fields.pop("gpus", 0)
+            replicas = self._replicas(block.get("replicas"))
+            if "replicas" in block:
+                replicas_at[name] = ReplicasAt(block["replicas"].src, block["replicas"].entry.value)
+            out.append(ModelDecl(
+                name=name, role=role, source=source, loc=self.src.loc(d), config=frozen(config),
+                source_model=source_model, trainable=bool(trainable),
+                lr=float(lr) if isinstance(lr, (int, float)) else None, engine=engine,
+                gpus=float(gpus) if isinstance(gpus, (int, float)) else 0.0, replicas=replicas,
+                options=frozen(fields),
+            ))
+        return out, replicas_at
+
+    def _literal_source(self, d: ast.ModelDecl, block: dict[str, _Entry]) -> tuple[str, dict[str, Value]] | None:
+        """(source, config) for a `tiny:` or `hf:` source; None for a model-name source or an error."""
+        at = block.get("source")
+        if at is None:
+            self.rep.error(self.src, f"model `{d.name.name}` has no `source`", d.name,
+                           hint='add `source = "tiny:gpt2"`, `source = "hf:PATH"` or `source = OTHER_MODEL`')
+            return None
+        value = at.entry.value
+        if isinstance(value, ast.Name):
+            return None
+        if not (isinstance(value, ast.Literal) and isinstance(value.value, str)
+                and value.value.startswith(("tiny:", "hf:"))):
+            self.rep.error(at.src, f"`source` must be \"tiny:NAME\", \"hf:PATH\" or a model's name, "
+                                   f"got {describe(to_value(value))}", value,
+                           hint='for example `source = "tiny:gpt2"`')
+            return None
+        source = value.value
+        tiny = source.startswith("tiny:")
+        if not tiny:  # a local Hugging Face directory, relative to the flow file
+            source = "hf:" + os.path.normpath(os.path.join(self.folder, source[3:]))
+        config: dict[str, Value] = {}
+        for key in CONFIG_KEYS:
+            kind, default = MODEL_KEYS[key]
+            if key in block:
+                if not tiny and key in SHAPE_KEYS:
+                    self.rep.error(block[key].src, f"`{key}` only applies to tiny: sources", block[key].entry.key,
+                                   hint="an hf: model's shape comes from its config.json")
+                    continue
+                good, v = self._typed(key, kind, block[key])
+                if good:
+                    config[key] = v
+            elif tiny and default is not None:
+                config[key] = default
+        return source, config
+
+    def _source(self, d: ast.ModelDecl, block: dict[str, _Entry], blocks: Mapping[str, dict[str, _Entry]],
+                own: Mapping[str, tuple[str, dict[str, Value]]]) -> tuple[str, str | None, dict[str, Value]]:
+        """(source, source_model, config); a model-name source copies the source and shape of the model at the
+        root of its chain, and the other config (dropout) of the model it names."""
+        name = d.name.name
+        if name in own:
+            return own[name][0], None, dict(own[name][1])
+        at = block.get("source")
+        if at is None or not isinstance(at.entry.value, ast.Name):
+            return "", None, {}
+        ref = at.entry.value
+        if ref.name not in blocks:
+            self.rep.error(at.src, f"`source` names `{ref.name}`, which is not a declared model", ref,
+                           hint=did_you_mean(ref.name, blocks) or "declare that model, or use a \"tiny:\" or "
+                                                                    "\"hf:\" source")
+            return "", None, {}
+        chain, cur = [name], ref.name
+        while cur not in own:
+            if cur in chain:
+                if name not in self.cycle_members:  # report a cycle once, at its first model
+                    self.cycle_members.update(chain)
+                    self.rep.error(at.src, "source cycle: " + " -> ".join([*chain, cur]), ref,
+                                   hint="one model in the chain needs a \"tiny:\" or \"hf:\" source")
+                return "", ref.name, {}
+            chain.append(cur)
+            nxt = blocks[cur].get("source")
+            if nxt is None or not isinstance(nxt.entry.value, ast.Name) or nxt.entry.value.name not in blocks:
+                return "", ref.name, {}  # the broken link is reported on its own model
+            cur = nxt.entry.value.name
+        source, config = own[cur][0], dict(own[cur][1])
+        for between in reversed(chain[1:]):  # settings such as dropout pass down the chain: a <- b <- c
+            for key in CONFIG_KEYS:
+                if key in blocks[between] and key not in SHAPE_KEYS:
+                    with contextlib.suppress(KindError):  # a bad value is reported on its own model
+                        config[key] = coerce(MODEL_KEYS[key][0], to_value(blocks[between][key].entry.value))
+        for key in CONFIG_KEYS:
+            if key not in block:
+                continue
+            if key in SHAPE_KEYS:
+                self.rep.error(block[key].src, f"`{key}` cannot be set on `{name}`: its weights come from `{cur}`",
+                               block[key].entry.key, hint=f"set it on `{cur}` instead")
+                continue
+            good, v = self._typed(key, MODEL_KEYS[key][0], block[key])
+            if good:
+                config[key] = v
+        return source, ref.name, config
+
+    def _replicas(self, at: _Entry | None) -> int | str | Range:
+        if at is None:
+            return 1
+        value = to_value(at.entry.value)
+        if value in (Ref("auto"), "auto"):
+            return "auto"
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+            return value
+        if isinstance(value, Range) and 1 <= value.lo <= value.hi:
+            return value
+        self.rep.error(at.src, f"`replicas` must be a positive integer, `auto` or a range such as 1..8, "
+                               f"got {describe(value)}", at.entry.value)
+        return 1
+
+    # ---- data and run ---------------------------------------------------------------------------
+
+    def _data(self, decls: list[ast.DataDecl], ovr: Overrides) -> tuple[list[DataDecl], dict[str, DataSource]]:
+        out: list[DataDecl] = []
+        sources: dict[str, DataSource] = {}
+        for d in decls:
+            name = d.name.name
+            if name in sources:
+                continue
+            block = self._block(d.entries, ovr.data.get(name, ()), ovr, DATA_KEYS, "data")
+            options = self._filled(block, DATA_KEYS)
+            path = self._data_path(d)
+            if path is not None:
+                self._check_data(d, path, str(options.get("prompt_key", "prompt")))
+            out.append(DataDecl(name, d.kind.name, path or "", self.src.loc(d), frozen(options)))
+            sources[name] = DataSource(self.src.loc(d), self.src.text_of(d), options)
+        return out, sources
+
+    def _data_path(self, d: ast.DataDecl) -> str | None:
+        kind = d.kind.name
+        if kind not in DATA_KINDS:
+            self.rep.error(self.src, f"unknown data kind `{kind}`", d.kind,
+                           hint=did_you_mean(kind, DATA_KINDS) or f"data kinds: {', '.join(DATA_KINDS)}")
+            return None
+        args = d.args
+        if len(args) != 1 or args[0].key is not None or not (
+                isinstance(args[0].value, ast.Literal) and isinstance(args[0].value.value, str)):
+            self.rep.error(self.src, f"`{kind}` takes one path string", args[0] if args else d.kind,
+                           hint=f'write `{kind}("data/train.jsonl")` (relative to the flow file)')
+            return None
+        return os.path.normpath(os.path.join(self.folder, str(args[0].value.value)))
+
+    def _check_data(self, d: ast.DataDecl, path: str, prompt_key: str) -> None:
+        """Read the file now, so a missing or malformed file is a check-time error, not a mid-run crash."""
+        where = d.args[0].value
+        written = str(to_value(where))
+        try:
+            read_jsonl(path, prompt_key=prompt_key)
+        except DataError as e:
+            for diag in e.diagnostics:
+                if diag.loc is None:  # about the file as a whole: point at the path in the flow
+                    message = diag.message.replace(path, written)
+                    hint = f"paths are relative to the flow file's folder ({self.folder})"
+                    self.rep.error(self.src, message, where, hint=hint if "not found" in message else None)
+                else:  # about a line of the data file: keep its line, name the file as the flow does
+                    loc = replace(diag.loc, path=self._shown_path(written)) if diag.loc.path == path else diag.loc
+                    hint = diag.hint or f"read by data `{d.name.name}` ({self.src.loc(d)})"
+                    self.rep.add(replace(diag, loc=loc, hint=hint))
+        except (OSError, UnicodeDecodeError, ValueError) as e:
+            self.rep.error(self.src, f"cannot read data file \"{written}\": {type(e).__name__}: {e}", where)
+
+    def _shown_path(self, written: str) -> str:
+        """A data file as messages name it: next to the flow's path as the user gave it (`examples/x.flow`
+        reads `examples/data/x.jsonl`), so messages don't depend on the machine."""
+        if os.path.isabs(written) or self.module.path.startswith("<"):
+            return written
+        return os.path.normpath(os.path.join(os.path.dirname(self.module.path), written))
+
+    def _run(self, ovr: Overrides) -> dict[str, Value]:
+        runs = [d for d in self.module.decls if isinstance(d, ast.RunDecl)]
+        for extra in runs[1:]:
+            self.rep.error(self.src, "a flow has at most one `run` block", extra,
+                           hint=f"merge it into the one on line {runs[0].line}")
+        block = self._block(runs[0].entries if runs else (), ovr.run, ovr, RUN_KEYS, "run")
+        return self._filled(block, RUN_KEYS)
+
+    # ---- the iteration --------------------------------------------------------------------------
+
+    def _iteration(self, iterations: list[ast.UseDecl | ast.StepDecl], env: dict[str, Binding],
+                   ovr: Overrides) -> tuple[Body | None, str | None]:
+        templates: dict[str, tuple[ast.TemplateDecl, Source]] = {}
+        for t in self.module.decls:
+            if isinstance(t, ast.TemplateDecl):
+                if t.name.name in templates:
+                    self.rep.error(self.src, f"template `{t.name.name}` is declared twice", t.name,
+                                   hint=f"first declared on line {templates[t.name.name][0].line}")
+                    continue
+                check_template(t, self.src, self.rep)
+                templates[t.name.name] = (t, self.src)
+        if not iterations:
+            self.rep.error(self.src, "this flow has no iteration", ast.Span(1, 1, 1, 2),
+                           hint="add `use TEMPLATE(...)` (e.g. `use grpo(group = 8)`) or a `step { ... }` block")
+            return None, None
+        first = iterations[0]
+        for extra in iterations[1:]:
+            self.rep.error(self.src, "a flow has exactly one `use` or `step`", extra,
+                           hint=f"the first is on line {first.line}; remove one of them")
+        if isinstance(first, ast.StepDecl):
+            return Body(first.body, self.src, env), None
+        args = [UseArg(a, self.src) for a in first.args]
+        overridden = {a.key.name for a in ovr.use if a.key is not None}
+        args = [a for a in args if a.arg.key is None or a.arg.key.name not in overridden]
+        args += [UseArg(a, ovr.src) for a in ovr.use]
+        body = Expander(self.rep, env, templates).expand(first, self.src, args)
+        return body, first.template.name

@@ -1,0 +1,98 @@
+"""`--set KEY=VALUE` overrides, parsed into entries that lowering merges into the flow before checking.
+
+Keys are `MODEL.KEY`, `DATA.KEY`, `run.KEY` or `use.PARAM`; values are flow literal text (`8`, `1e-4`,
+`true`, `"s"`, `2..16`, a name). The overrides form their own source, `<overrides>`, one `KEY=VALUE`
+line each, so a bad value is reported with a caret like any other error.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+
+from flowrl.errors import Diagnostic, FlowError, Loc
+
+from . import ast
+from .diagnostics import Reporter, Source, did_you_mean
+from .parser import parse_value
+
+OVERRIDES_PATH = "<overrides>"
+_KEY = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)\.([A-Za-z_][A-Za-z0-9_]*)$")
+
+
+@dataclass
+class Overrides:
+    """Entries to merge, by target; `src` is the `<overrides>` source they point into."""
+
+    src: Source
+    models: dict[str, list[ast.Entry]] = field(default_factory=dict)
+    data: dict[str, list[ast.Entry]] = field(default_factory=dict)
+    run: list[ast.Entry] = field(default_factory=list)
+    use: list[ast.Arg] = field(default_factory=list)
+
+
+def parse_overrides(overrides: Mapping[str, str] | None, models: list[str], data: list[str], has_use: bool,
+                    rep: Reporter) -> Overrides:
+    # one line per override in the `<overrides>` source (a value is a single line by nature)
+    items = [(k.replace("\n", " "), v.replace("\n", " ")) for k, v in (overrides or {}).items()]
+    lines = [f"{k}={v}" for k, v in items]
+    src = Source(OVERRIDES_PATH, "\n".join(lines))
+    out = Overrides(src)
+    for i, (key, text) in enumerate(items):
+        line = i + 1
+        key_span = ast.Span(line, 1, line, len(key) + 1)
+        m = _KEY.match(key)
+        if m is None:
+            rep.error(src, f"override `{key}` must be MODEL.KEY, DATA.KEY, run.KEY or use.PARAM", key_span)
+            continue
+        target, name = m.group(1), m.group(2)
+        name_ident = ast.Ident(name, ast.Span(line, len(target) + 2, line, len(key) + 1))
+        value = _value(text, src, line, len(key) + 1, rep)
+        if value is None:
+            continue
+        span = ast.Span(line, 1, line, len(lines[i]) + 1)
+        if target == "use":
+            if not has_use:
+                rep.error(src, f"override `{key}`: this flow has no `use`", key_span,
+                          hint="`use.PARAM` overrides a template argument")
+                continue
+            out.use.append(ast.Arg(name_ident, value, span))
+        elif target == "run":
+            out.run.append(ast.Entry(name_ident, value, span))
+        elif target in models:
+            out.models.setdefault(target, []).append(ast.Entry(name_ident, value, span))
+        elif target in data:
+            out.data.setdefault(target, []).append(ast.Entry(name_ident, value, span))
+        else:
+            hint = did_you_mean(target, [*models, *data, "run", "use"]) or (
+                f"models: {', '.join(models) or 'none'}; data: {', '.join(data) or 'none'}; or `run`, `use`")
+            rep.error(src, f"override `{key}`: no model or data named `{target}`",
+                      ast.Span(line, 1, line, len(target) + 1), hint=hint)
+    return out
+
+
+def _value(text: str, src: Source, line: int, offset: int, rep: Reporter) -> ast.Expr | None:
+    """Parse `text` (written at column `offset + 1` of `line`) as a value; errors point into `src`."""
+    try:
+        expr = parse_value(Source(OVERRIDES_PATH, text))
+    except FlowError as e:
+        for d in e.diagnostics:
+            rep.add(_shift_diag(d, src, line, offset))
+        return None
+    return _shift(expr, line, offset)
+
+
+def _shift_diag(d: Diagnostic, src: Source, line: int, offset: int) -> Diagnostic:
+    if d.loc is None:
+        return d
+    end = d.loc.end_col + offset if d.loc.end_col is not None else None
+    return replace(d, loc=Loc(src.path, line, d.loc.col + offset, end), source_line=src.line(line))
+
+
+def _shift(expr: ast.Expr, line: int, offset: int) -> ast.Expr:
+    s = expr.span
+    span = ast.Span(line, s.col + offset, line, s.end_col + offset)
+    if isinstance(expr, ast.ListLit):
+        return replace(expr, items=tuple(_shift(x, line, offset) for x in expr.items), span=span)
+    return replace(expr, span=span)

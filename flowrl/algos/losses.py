@@ -1,0 +1,191 @@
+"""Policy, value and KL losses: pure functions called by the training step functions of the controller.
+
+All per-token tensors are (B, T) with a 0/1 `mask` of the same shape. Losses reduce through `aggregate`,
+whose optional `num_tokens` / `num_seqs` / `horizon` let a trainer split a mini-batch into micro-batches
+and still get, by summing the micro-batch losses, exactly the loss (and gradient) of the whole
+mini-batch. Conventions follow verl's `core_algos`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = ["AGG_MODES", "KL_KINDS", "aggregate", "kl", "ppo_clip_loss", "value_loss"]
+
+AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+
+# Canonical estimator for each accepted name (verl's spellings are aliases).
+KL_KINDS = {"k1": "k1", "kl": "k1", "k2": "k2", "mse": "k2", "k3": "k3", "low_var_kl": "k3"}
+
+
+def _masked_mean(x: Tensor, mask: Tensor) -> Tensor:
+    """Mean of `x` over entries where mask > 0; 0 when nothing is valid."""
+    m = mask.to(x.dtype)
+    return (x * m).sum() / m.sum().clamp(min=1)
+
+
+def _as_tensor(value: float | Tensor, like: Tensor) -> Tensor:
+    return torch.as_tensor(value, dtype=like.dtype, device=like.device)
+
+
+def aggregate(
+    loss: Tensor,
+    mask: Tensor,
+    mode: str = "token-mean",
+    *,
+    num_tokens: float | Tensor | None = None,
+    num_seqs: float | Tensor | None = None,
+    horizon: float | Tensor | None = None,
+) -> Tensor:
+    """Reduce a per-token loss (B, T) to a scalar.
+
+    token-mean               sum(m*l) / num_tokens          (num_tokens defaults to sum(m))
+    seq-mean-token-mean      sum_i [sum_t m*l / sum_t m] / num_seqs  (num_seqs defaults to B)
+    seq-mean-token-sum       sum_i sum_t m*l / num_seqs
+    seq-mean-token-sum-norm  sum(m*l) / horizon             (horizon defaults to T; no division by B, as verl)
+
+    Passing the whole mini-batch's num_tokens / num_seqs (and a fixed horizon) to every micro-batch makes
+    the micro-batch losses sum to the mini-batch loss: each denominator is then a constant, so the
+    reduction is linear in the rows. A sequence without valid tokens counts as 0 in seq-mean-token-mean.
+    """
+    m = mask.to(loss.dtype)  # (B, T)
+    # where(), not a bare product: a non-finite loss on a padded token must not leak as NaN (value or grad).
+    token_loss = torch.where(m > 0, loss * m, torch.zeros_like(loss))  # (B, T)
+    if mode == "token-mean":
+        denom = m.sum() if num_tokens is None else _as_tensor(num_tokens, loss)
+        return token_loss.sum() / denom.clamp(min=1)
+    if mode in ("seq-mean-token-mean", "seq-mean-token-sum"):
+        seq_loss = token_loss.sum(dim=-1)  # (B,)
+        if mode == "seq-mean-token-mean":
+            seq_tokens = m.sum(dim=-1)  # (B,)
+            seq_loss = torch.where(
+                seq_tokens > 0, seq_loss / seq_tokens.clamp(min=1), torch.zeros_like(seq_loss)
+            )
+        seqs = _as_tensor(loss.shape[0] if num_seqs is None else num_seqs, loss)
+        return seq_loss.sum() / seqs.clamp(min=1)
+    if mode == "seq-mean-token-sum-norm":
+        length = _as_tensor(loss.shape[-1] if horizon is None else horizon, loss)
+        return token_loss.sum() / length
+    raise ValueError(f"unknown aggregation mode {mode!r}; expected one of {', '.join(AGG_MODES)}")
+
+
+def kl(logp: Tensor, ref_logp: Tensor, kind: str = "k3") -> Tensor:
+    """Per-token KL estimate between the policy and the reference, from sampled-token log-probs (B, T).
+
+    With d = logp - ref_logp (http://joschu.net/blog/kl-approx.html):
+    k1 ("kl") = d;  k2 ("mse") = d^2 / 2;  k3 ("low_var_kl") = exp(-d) + d - 1.
+    k3 clamps d to +-20 and its output to +-10, as verl does, because exp(-d) overflows for very
+    unlikely reference tokens and one such token would dominate the batch.
+    """
+    canonical = KL_KINDS.get(kind)
+    if canonical is None:
+        raise ValueError(f"unknown kl kind {kind!r}; expected one of {', '.join(KL_KINDS)}")
+    d = logp - ref_logp  # (B, T)
+    if canonical == "k1":
+        return d
+    if canonical == "k2":
+        return 0.5 * d * d
+    d = d.clamp(-20.0, 20.0)
+    return (torch.exp(-d) + d - 1).clamp(-10.0, 10.0)
+
+
+def _ppo_clip_token_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    clip: float = 0.2,
+    clip_high: float | None = None,
+    dual_clip: float | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Per-token clipped surrogate -> (loss, ratio, clipped), each (B, T); see `ppo_clip_loss`."""
+    if dual_clip is not None and dual_clip <= 1.0:
+        raise ValueError(f"dual_clip must be > 1 (it bounds the loss at -dual_clip * A), got {dual_clip}")
+    old_logp = old_logp.detach()
+    advantages = advantages.detach()
+    if advantages.dim() == 1:
+        advantages = advantages.unsqueeze(-1)  # (B, 1): one outcome advantage for every token
+    # Clamp the log-ratio so a stale or garbage token cannot overflow exp().
+    ratio = torch.exp((logp - old_logp).clamp(-20.0, 20.0))  # (B, T)
+    high = clip if clip_high is None else clip_high
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - clip, 1.0 + high)
+    loss = torch.maximum(unclipped, clipped)  # pessimistic bound
+    if dual_clip is not None:
+        # Dual-clip PPO (arXiv:1912.09729): with A < 0 a huge ratio would make the loss unbounded.
+        loss = torch.where(advantages < 0, torch.minimum(loss, -dual_clip * advantages), loss)
+    return loss, ratio, clipped > unclipped
+
+
+def ppo_clip_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    clip: float = 0.2,
+    clip_high: float | None = None,
+    dual_clip: float | None = None,
+    agg: str = "token-mean",
+    *,
+    num_tokens: float | Tensor | None = None,
+    num_seqs: float | Tensor | None = None,
+    horizon: float | Tensor | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """PPO clipped policy loss (arXiv:1707.06347) -> (scalar loss, metrics).
+
+    logp, old_logp, mask: (B, T); advantages: (B,) outcome advantages broadcast over tokens, or (B, T).
+    rho = exp(clamp(logp - old_logp, -20, 20));
+    l = max(-A * rho, -A * clamp(rho, 1 - clip, 1 + clip_high))   (clip_high defaults to clip; DAPO's
+    clip-higher uses clip_high > clip); dual_clip=c > 1 additionally caps l at -c * A where A < 0.
+    Gradients flow to `logp` only (old_logp and advantages are detached).
+
+    metrics: clipfrac (share of valid tokens where the clipped term won), ppo_kl (masked mean of
+    old_logp - logp), ratio_mean (masked mean of rho). Metrics are local to this (micro-)batch.
+    """
+    token_loss, ratio, clipped = _ppo_clip_token_loss(logp, old_logp, advantages, clip, clip_high, dual_clip)
+    loss = aggregate(token_loss, mask, agg, num_tokens=num_tokens, num_seqs=num_seqs, horizon=horizon)
+    with torch.no_grad():
+        metrics = {
+            "clipfrac": _masked_mean(clipped.to(ratio.dtype), mask).item(),
+            "ppo_kl": _masked_mean(old_logp - logp, mask).item(),
+            "ratio_mean": _masked_mean(ratio, mask).item(),
+        }
+    return loss, metrics
+
+
+def value_loss(
+    values: Tensor,
+    old_values: Tensor,
+    returns: Tensor,
+    mask: Tensor,
+    clip: float | None = 0.2,
+    agg: str = "token-mean",
+    *,
+    num_tokens: float | Tensor | None = None,
+    num_seqs: float | Tensor | None = None,
+    horizon: float | Tensor | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """Clipped value loss 0.5 * agg(max((V - R)^2, (clip(V, V_old - clip, V_old + clip) - R)^2)), (B, T) in.
+
+    clip=None gives the plain 0.5 * agg((V - R)^2). Gradients flow to `values` only.
+    metrics: vf_clipfrac (share of valid tokens where the clipped error was larger), vpred_mean.
+    """
+    old_values = old_values.detach()
+    returns = returns.detach()
+    unclipped = (values - returns) ** 2  # (B, T)
+    if clip is None:
+        token_loss = unclipped
+        clipped_more = torch.zeros_like(unclipped, dtype=torch.bool)
+    else:
+        # Keep the new value within clip of the one used to compute the advantages (PPO2 style).
+        v_clipped = torch.clamp(values, old_values - clip, old_values + clip)
+        clipped_sq = (v_clipped - returns) ** 2
+        token_loss = torch.maximum(unclipped, clipped_sq)
+        clipped_more = clipped_sq > unclipped
+    loss = 0.5 * aggregate(token_loss, mask, agg, num_tokens=num_tokens, num_seqs=num_seqs, horizon=horizon)
+    with torch.no_grad():
+        metrics = {
+            "vf_clipfrac": _masked_mean(clipped_more.to(values.dtype), mask).item(),
+            "vpred_mean": _masked_mean(values, mask).item(),
+        }
+    return loss, metrics

@@ -1,0 +1,219 @@
+"""The `flowrl` command line: check, compile, show, run, viz, timeline.
+
+Every user error is printed as a rendered diagnostic on stderr with exit status 1; no verb prints a
+Python traceback for a mistake in a flow, data file or reward function.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import textwrap
+import traceback
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from flowrl.errors import FlowError
+
+
+def _fmt(text: str) -> str:
+    return textwrap.dedent(text).strip("\n")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="flowrl", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Write RLHF algorithms as dataflow programs; compile, inspect and run them.",
+        epilog=_fmt("""
+            examples:
+              flowrl check examples/grpo_arith.flow
+              flowrl compile examples/ppo_arith.flow --explain
+              flowrl run examples/grpo_arith.flow --steps 50 --out runs/grpo
+        """),
+    )
+    sub = p.add_subparsers(dest="verb", required=True, metavar="VERB")
+
+    def verb(name: str, help: str, example: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=help, description=help, epilog=f"example:\n  {example}",
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+
+    c = verb("check", "Check flow files; exit 0 when all are valid.", "flowrl check examples/*.flow")
+    c.add_argument("files", nargs="+", metavar="FILE")
+
+    c = verb("compile", "Compile a flow and print its graph (text, or JSON with --json).",
+             "flowrl compile examples/grpo_arith.flow --json --no-pass share-prefix")
+    c.add_argument("file", metavar="FILE")
+    c.add_argument("--json", action="store_true", help="print one JSON object")
+    c.add_argument("--passes", help="comma-separated passes to run instead of the defaults")
+    c.add_argument("--no-pass", action="append", default=[], metavar="NAME", help="switch a pass off")
+    c.add_argument("--explain", action="store_true", help="say what each pass changed and why")
+    c.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a flow key")
+
+    c = verb("show", "Print a standard-library template's source.", "flowrl show grpo")
+    c.add_argument("name", metavar="NAME", nargs="?", help="template name (omit to list them)")
+
+    c = verb("run", "Train: run a flow for some steps and write a run directory.",
+             "flowrl run examples/grpo_arith.flow --steps 60 --set actor.lr=3e-3 --out runs/grpo")
+    c.add_argument("file", metavar="FILE")
+    c.add_argument("--backend", default="local", choices=["local", "ray"])
+    c.add_argument("--address", default=None, help="Ray cluster address (ray backend); default: start one")
+    c.add_argument("--steps", type=int, default=None)
+    c.add_argument("--seed", type=int, default=None)
+    c.add_argument("--device", default=None, help="auto | cpu | cuda (default: run { device })")
+    c.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override MODEL.KEY, DATA.KEY, run.KEY or use.PARAM")
+    c.add_argument("--out", default=None, metavar="DIR", help="run directory (default runs/<flow>)")
+    c.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --out")
+    c.add_argument("--passes", help="comma-separated passes to run instead of the defaults")
+    c.add_argument("--no-pass", action="append", default=[], metavar="NAME", help="switch a pass off")
+    c.add_argument("--quiet", action="store_true", help="no progress bar")
+
+    c = verb("viz", "Draw a flow's graph with graphviz (.svg, .png, .pdf or .dot).",
+             "flowrl viz examples/ppo_arith.flow -o ppo.svg --stage placed")
+    c.add_argument("file", metavar="FILE")
+    c.add_argument("-o", "--output", required=True, metavar="OUT")
+    c.add_argument("--stage", default="optimized", choices=["parsed", "optimized", "placed"])
+    c.add_argument("--timings", default=None, metavar="RUN_DIR", help="colour nodes by their share of step time")
+    c.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a flow key")
+
+    c = verb("timeline", "Draw a Gantt chart of node spans per worker group from a run's trace.json.",
+             "flowrl timeline runs/grpo -o timeline.png")
+    c.add_argument("run_dir", metavar="RUN_DIR")
+    c.add_argument("-o", "--output", required=True, metavar="OUT.png")
+    c.add_argument("--steps", type=int, default=3, help="how many of the last steps to draw")
+    return p
+
+
+def _overrides(items: Sequence[str]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise FlowError(f"--set expects KEY=VALUE, got '{item}'")
+        out[key.strip()] = value.strip()
+    return out
+
+
+def compile_file(path: str, sets: Sequence[str] = (), passes: str | None = None,
+                 no_pass: Sequence[str] = ()) -> Any:
+    """Load a flow file, apply overrides, run the selected passes."""
+    from flowrl.dsl import load
+    from flowrl.passes import PassSelectionError, run_passes, select
+
+    graph = load(path, overrides=_overrides(sets))
+    try:
+        chosen = select([p for p in passes.split(",") if p] if passes is not None else None, list(no_pass))
+    except PassSelectionError as e:
+        raise FlowError(str(e)) from None
+    return run_passes(graph, chosen)
+
+
+def _explain(graph: Any) -> str:
+    from flowrl.passes import REGISTRY
+
+    docs = {p.name: p.doc for p in REGISTRY}
+    lines = []
+    for rec in graph.passes:
+        lines.append(f"pass {rec.name}: {'changed the graph' if rec.changed else 'no change'} — {docs.get(rec.name, '')}")
+        lines.extend(f"  - {note}" for note in rec.notes)
+    return "\n".join(lines) if lines else "no passes ran"
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    from flowrl.dsl import load
+
+    failed = 0
+    for f in args.files:
+        try:
+            load(f)
+        except FlowError as e:
+            print(e.render(), file=sys.stderr)
+            failed += 1
+        else:
+            print(f"{f}: ok")
+    return 1 if failed else 0
+
+
+def cmd_compile(args: argparse.Namespace) -> int:
+    from flowrl.ir import to_json_text, to_text
+
+    graph = compile_file(args.file, args.set, args.passes, args.no_pass)
+    print(to_json_text(graph) if args.json else to_text(graph), end="\n" if args.json else "")
+    if args.explain:
+        print(_explain(graph), file=sys.stderr if args.json else sys.stdout)
+    return 0
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    from flowrl.dsl import stdlib_names, template_source
+
+    if not args.name:
+        print("\n".join(stdlib_names()))
+        return 0
+    if args.name not in stdlib_names():
+        raise FlowError(f"no standard template named '{args.name}' (templates: {', '.join(stdlib_names())})")
+    print(template_source(args.name), end="")
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from flowrl.runtime.progress import Progress
+    from flowrl.runtime.runner import run
+
+    graph = compile_file(args.file, args.set, args.passes, args.no_pass)
+    out = Path(args.out or Path("runs") / graph.flow)
+    if args.resume and not (out / "checkpoints").exists():
+        raise FlowError(f"--resume: no checkpoints in {out}", )
+    total = args.steps if args.steps is not None else int(graph.run.get("steps", 100))
+    options = {"address": args.address, "log_dir": str(out / "ray")} if args.backend == "ray" else None
+    with Progress(total, enabled=not args.quiet) as bar:
+        result = run(graph, out_dir=out, backend=args.backend, steps=args.steps, seed=args.seed,
+                     resume=args.resume, device=args.device, on_step=bar.update, backend_options=options)
+    last = result.metrics[-5:]
+    if last:
+        mean = sum(r.get("reward_mean", 0.0) for r in last) / len(last)
+        print(f"done: {result.steps} steps, last-5 reward_mean {mean:.3f}; outputs in {out}")
+    return 0
+
+
+def cmd_viz(args: argparse.Namespace) -> int:
+    from flowrl.viz import render
+
+    render(args.file, args.output, stage=args.stage, timings=args.timings, sets=args.set)
+    print(f"wrote {args.output}")
+    return 0
+
+
+def cmd_timeline(args: argparse.Namespace) -> int:
+    from flowrl.viz.timeline import timeline
+
+    timeline(args.run_dir, args.output, last_steps=args.steps)
+    print(f"wrote {args.output}")
+    return 0
+
+
+VERBS = {"check": cmd_check, "compile": cmd_compile, "show": cmd_show, "run": cmd_run, "viz": cmd_viz,
+         "timeline": cmd_timeline}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return VERBS[args.verb](args)
+    except FlowError as e:
+        print(e.render(), file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("flowrl: interrupted (checkpoints written so far are kept; continue with --resume)", file=sys.stderr)
+        return 130
+    except Exception as e:  # a flowrl bug: say so plainly, keep the details in a file rather than the screen
+        log = Path.cwd() / "flowrl-crash.log"
+        log.write_text(traceback.format_exc(), encoding="utf-8")
+        print(f"flowrl: internal error: {type(e).__name__}: {e}\n(details in {log}; please report it)",
+              file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,274 @@
+"""The torch generation engine (flowrl.engines): batched sampling from a HF causal LM with a KV cache.
+
+`generate` prefills left-padded prompts once, then runs its own decode loop (no `model.generate`: its per-step
+logits-processor machinery costs more than a tiny model's forward). Speed comes from a preallocated KV cache
+(no per-step `torch.cat` of the whole cache), a preallocated attention mask that is only sliced, shared-prefix
+prefill (B prompts prefilled once, cache replicated n times) and dropping finished rows from the batch once
+half of them are done. Sampling draws one (rows, V) noise tensor per step from `generator`, so the same seed
+gives the same samples whether or not the prefix is shared.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+from flowrl.engines.forward import (
+    forward_entropy,
+    forward_logprobs,
+    forward_logprobs_entropy,
+    forward_values,
+    positions_from_mask,
+)
+from flowrl.models.tokenizer import Tokenizer
+
+__all__ = [
+    "GenOutput",
+    "forward_entropy",
+    "forward_logprobs",
+    "forward_logprobs_entropy",
+    "forward_values",
+    "generate",
+]
+
+
+@dataclass(frozen=True)
+class GenOutput:
+    """A batch of rollouts: the n samples of prompt 0 first, then prompt 1, ...; N = B * n rows."""
+
+    prompt_ids: Tensor  # (N, P) left-padded with pad_id
+    prompt_mask: Tensor  # (N, P) 1 on real prompt tokens
+    response_ids: Tensor  # (N, T) right-padded with pad_id
+    response_mask: Tensor  # (N, T) 1 on generated tokens, EOS included
+    response_lens: Tensor  # (N,)
+    prompt_index: Tensor  # (N,) which prompt each row came from
+    logprobs: Tensor  # (N, T) log-prob of each sampled token under softmax(logits / temperature); 0 on pads
+
+
+def generate(
+    module: nn.Module,
+    tokenizer: Tokenizer,
+    prompts: Sequence[Sequence[int]],
+    *,
+    n: int = 1,
+    max_tokens: int,
+    min_tokens: int = 0,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    generator: torch.Generator | None = None,
+    share_prefix: bool = True,
+    device: str | torch.device = "cpu",
+) -> GenOutput:
+    """Sample `n` responses per prompt; temperature 0 is greedy, EOS is banned before `min_tokens`."""
+    _check_args(prompts, n, max_tokens, min_tokens, temperature, top_p)
+    pad, eos = tokenizer.pad_id, tokenizer.eos_id
+    dev = torch.device(device)
+    ids, mask = _left_pad(prompts, pad, dev)  # (B, P)
+    batch, width = ids.shape
+    rows = batch * n
+    # `ours`: the cache is our buffered one, which also supports dropping finished rows mid-decode.
+    cache, ours = _make_cache(module, width + max_tokens)
+    share = share_prefix and n > 1
+    run_ids = ids if share else ids.repeat_interleave(n, dim=0)
+    run_mask = mask if share else mask.repeat_interleave(n, dim=0)
+    full_prompt_mask = mask.repeat_interleave(n, dim=0)  # (N, P)
+    sampler = _Sampler(temperature, top_p, min_tokens, eos, generator)
+
+    out_ids = torch.full((rows, max_tokens), pad, dtype=torch.long, device=dev)
+    out_mask = torch.zeros((rows, max_tokens), dtype=torch.long, device=dev)
+    out_lp = torch.zeros((rows, max_tokens), dtype=torch.float32, device=dev)
+    # Generated slots always attend (finished rows are never read), so the mask is built once and sliced.
+    attn = torch.cat([full_prompt_mask, torch.ones_like(out_mask)], dim=1)  # (N, P + max_tokens)
+    next_pos = positions_from_mask(full_prompt_mask)[:, -1:] + 1  # (N, 1) position of response token 0
+    live: Tensor | None = None  # current batch row -> output row; None while it is the identity
+    done = torch.zeros(rows, dtype=torch.bool, device=dev)
+
+    with torch.inference_mode():
+        out = module(input_ids=run_ids, attention_mask=run_mask, position_ids=positions_from_mask(run_mask),
+                     past_key_values=cache, use_cache=True, logits_to_keep=1)  # fmt: skip
+        logits = out.logits[:, -1].float()  # (B or N, V)
+        if share:
+            logits = logits.repeat_interleave(n, dim=0)  # (N, V)
+            cache.batch_repeat_interleave(n)
+        for t in range(max_tokens):
+            tok, lp = sampler(logits, t)  # (rows_now,)
+            alive = ~done
+            tok = tok.masked_fill(done, pad)
+            target = slice(None) if live is None else live
+            out_ids[target, t] = tok
+            out_lp[target, t] = lp.masked_fill(done, 0.0)
+            out_mask[target, t] = alive.long()
+            done = done | (tok == eos)
+            remaining = int((~done).sum())  # the one host sync per step
+            if remaining == 0 or t == max_tokens - 1:
+                break
+            if ours and remaining <= done.shape[0] // 2:
+                # Finished rows would still cost a full forward each step; drop them (amortised: halves each time).
+                keep = (~done).nonzero().squeeze(1)
+                cache.batch_select_indices(keep)
+                live = keep if live is None else live[keep]
+                done, tok, attn, next_pos = done[keep], tok[keep], attn[keep], next_pos[keep]
+            out = module(input_ids=tok[:, None], attention_mask=attn[:, : width + t + 1],
+                         position_ids=next_pos + t, past_key_values=cache, use_cache=True)  # fmt: skip
+            logits = out.logits[:, -1].float()  # (rows_now, V)
+
+    lens = out_mask.sum(dim=1)  # (N,)
+    length = int(lens.max())
+    return GenOutput(
+        prompt_ids=ids.repeat_interleave(n, dim=0),
+        prompt_mask=full_prompt_mask,
+        response_ids=out_ids[:, :length].contiguous(),
+        response_mask=out_mask[:, :length].contiguous(),
+        response_lens=lens,
+        prompt_index=torch.arange(batch, device=dev).repeat_interleave(n),
+        logprobs=out_lp[:, :length].contiguous(),
+    )
+
+
+class _Sampler:
+    """Turns one step's (rows, V) logits into tokens and their log-probs."""
+
+    def __init__(
+        self, temperature: float, top_p: float, min_tokens: int, eos: int, generator: torch.Generator | None
+    ) -> None:
+        self.temperature = temperature
+        self.top_p = top_p
+        self.min_tokens = min_tokens
+        self.eos = eos
+        self.generator = generator
+
+    def __call__(self, logits: Tensor, step: int) -> tuple[Tensor, Tensor]:
+        greedy = self.temperature <= 0
+        scaled = logits if greedy else logits / self.temperature  # (rows, V)
+        # Reported log-probs ignore the EOS ban and top-p so they equal forward_logprobs at this temperature.
+        logprobs = torch.log_softmax(scaled, dim=-1)
+        if step < self.min_tokens:
+            scaled = scaled.clone() if scaled is logits else scaled
+            scaled[:, self.eos] = float("-inf")
+        if greedy:
+            tok = scaled.argmax(dim=-1)
+        else:
+            probs = torch.softmax(scaled, dim=-1)
+            if self.top_p < 1.0:
+                probs = _nucleus(probs, self.top_p)
+            # Exponential race: argmax(p / E), E = -log(U) ~ Exp(1), samples from p with one (rows, V) draw and no
+            # host sync. torch.rand + log is ~5x faster than Tensor.exponential_ on CPU; U < 1 keeps E > 0, and
+            # U == 0 gives E = inf, which just drops that token from this draw.
+            noise = torch.rand(probs.shape, generator=self.generator, device=probs.device).log_().neg_()
+            tok = (probs / noise).argmax(dim=-1)
+        return tok, logprobs.gather(-1, tok[:, None]).squeeze(-1)
+
+
+def _nucleus(probs: Tensor, top_p: float) -> Tensor:
+    """Zero every token outside the smallest set whose mass reaches `top_p` (the top token always stays)."""
+    sorted_probs, order = probs.sort(dim=-1, descending=True)  # (rows, V)
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    sorted_probs = sorted_probs.masked_fill(mass_before >= top_p, 0.0)
+    return torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+
+
+class _BufferedLayer(DynamicLayer):
+    """A DynamicLayer backed by a preallocated (B, H, capacity, D) buffer.
+
+    HF's DynamicLayer concatenates the whole cache every step (quadratic copying); this writes one slot and hands
+    attention a view. Subclassing is the narrowest way to plug into HF's Cache protocol.
+    """
+
+    is_croppable = False
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__()
+        self.capacity = capacity
+        self.length = 0
+        self._keys: Tensor | None = None
+        self._values: Tensor | None = None
+
+    def lazy_initialization(self, key_states: Tensor, value_states: Tensor, *args: Any, **kwargs: Any) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        b, h, _, dk = key_states.shape
+        self._keys = key_states.new_empty((b, h, self.capacity, dk))
+        self._values = value_states.new_empty((b, h, self.capacity, value_states.shape[-1]))
+        self.is_initialized = True
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        assert self._keys is not None and self._values is not None
+        start, end = self.length, self.length + key_states.shape[-2]
+        if end > self.capacity:
+            raise RuntimeError(f"KV buffer overflow: {end} > capacity {self.capacity}")
+        self._keys[:, :, start:end] = key_states
+        self._values[:, :, start:end] = value_states
+        self.length = end
+        self._refresh_views()
+        return self._keys[:, :, :end], self._values[:, :, :end]
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self._keys is not None and self._values is not None:
+            self._keys = self._keys.repeat_interleave(repeats, dim=0)
+            self._values = self._values.repeat_interleave(repeats, dim=0)
+            self._refresh_views()
+
+    def batch_select_indices(self, indices: Tensor) -> None:
+        if self._keys is not None and self._values is not None:
+            self._keys = self._keys[indices]
+            self._values = self._values[indices]
+            self._refresh_views()
+
+    def reorder_cache(self, beam_idx: Tensor) -> None:
+        self.batch_select_indices(beam_idx)
+
+    def _refresh_views(self) -> None:
+        assert self._keys is not None and self._values is not None
+        self.keys = self._keys[:, :, : self.length]
+        self.values = self._values[:, :, : self.length]
+
+
+def _make_cache(module: nn.Module, capacity: int) -> tuple[Any, bool]:
+    """A DynamicCache for `module`; its plain full-attention layers swapped for buffered ones when possible."""
+    config = getattr(module, "config", None)
+    cache = DynamicCache(config=config) if config is not None else DynamicCache()
+    layers = list(getattr(cache, "layers", []))
+    # Sliding-window / linear-attention layers have their own semantics: keep HF's cache untouched for those.
+    if layers and all(type(layer) is DynamicLayer for layer in layers):
+        cache.layers = [_BufferedLayer(capacity) for _ in layers]
+        return cache, True
+    return cache, False
+
+
+def _left_pad(prompts: Sequence[Sequence[int]], pad: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt) :] = torch.as_tensor(list(prompt), dtype=torch.long)
+        mask[row, width - len(prompt) :] = 1
+    return ids.to(device), mask.to(device)
+
+
+def _check_args(
+    prompts: Sequence[Sequence[int]], n: int, max_tokens: int, min_tokens: int, temperature: float, top_p: float
+) -> None:
+    if not prompts:
+        raise ValueError("generate needs at least one prompt")
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("empty prompt: every prompt needs at least one token (e.g. BOS) to condition on")
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    if not 0 <= min_tokens <= max_tokens:
+        raise ValueError(f"min_tokens must be in [0, max_tokens={max_tokens}], got {min_tokens}")
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")

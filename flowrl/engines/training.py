@@ -1,0 +1,86 @@
+"""The torch training engine (flowrl.engines): AdamW with gradient accumulation over micro-batches.
+
+One `step` is one optimizer update on one mini-batch: the loss function is called per micro-batch and is
+responsible for scaling, so that the micro-batch losses sum to the mini-batch loss (the engine never divides).
+Gradients are clipped by global norm before the update; a non-finite norm skips the update (verl does the same)
+rather than writing NaNs into the weights.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["LossFn", "TrainEngine"]
+
+MB = TypeVar("MB")
+LossFn = Callable[[MB], tuple[Tensor, dict[str, float]]]
+
+
+class TrainEngine:
+    """Owns the optimizer of one trainable module (policy or critic)."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        lr: float,
+        weight_decay: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        max_grad_norm: float | None = 1.0,
+    ) -> None:
+        self.module = module
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        if not self.params:
+            raise ValueError("TrainEngine: the module has no trainable parameters (is it a frozen reference?)")
+        self.max_grad_norm = max_grad_norm
+        self.optimizer = torch.optim.AdamW(self.params, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps)
+        self.steps = 0
+
+    @property
+    def lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def set_lr(self, lr: float) -> None:
+        """Set the learning rate of every param group (schedules live outside the engine)."""
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def step(self, micro_batches: Sequence[MB], loss_fn: LossFn[MB]) -> dict[str, float]:
+        """Accumulate gradients over `micro_batches`, clip, update; returns averaged metrics + loss/grad_norm/lr."""
+        if not micro_batches:
+            raise ValueError("TrainEngine.step needs at least one micro-batch")
+        self.optimizer.zero_grad(set_to_none=True)
+        total_loss = 0.0
+        sums: dict[str, float] = {}
+        for mb in micro_batches:
+            loss, metrics = loss_fn(mb)
+            loss.backward()
+            total_loss += float(loss.detach())
+            for key, value in metrics.items():
+                sums[key] = sums.get(key, 0.0) + float(value)
+        # clip_grad_norm_ with an infinite bound only measures the norm.
+        bound = self.max_grad_norm if self.max_grad_norm and self.max_grad_norm > 0 else math.inf
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, bound))
+        skipped = not math.isfinite(grad_norm)
+        if not skipped:
+            self.optimizer.step()
+            self.steps += 1
+        self.optimizer.zero_grad(set_to_none=True)
+        out = {key: value / len(micro_batches) for key, value in sums.items()}
+        out.update(loss=total_loss, grad_norm=grad_norm, lr=self.lr, skipped=float(skipped))
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        """Module weights, optimizer moments and the step count (everything a checkpoint needs)."""
+        return {"module": self.module.state_dict(), "optimizer": self.optimizer.state_dict(), "steps": self.steps}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.module.load_state_dict(state["module"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.steps = int(state.get("steps", 0))

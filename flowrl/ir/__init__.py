@@ -1,0 +1,22 @@
+"""The graph IR: nodes, declarations, verification and printing."""
+
+from flowrl.ir.graph import (
+    CONTROLLER,
+    DataDecl,
+    Graph,
+    ModelDecl,
+    Node,
+    PassRecord,
+    PoolDecl,
+    Range,
+    Ref,
+    RewardDecl,
+    WorkerGroup,
+)
+from flowrl.ir.printer import to_json, to_json_text, to_text
+from flowrl.ir.verify import GraphError, verify
+
+__all__ = [
+    "CONTROLLER", "DataDecl", "Graph", "GraphError", "ModelDecl", "Node", "PassRecord", "PoolDecl", "Range",
+    "Ref", "RewardDecl", "WorkerGroup", "to_json", "to_json_text", "to_text", "verify",
+]

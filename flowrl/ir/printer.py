@@ -1,0 +1,114 @@
+"""Deterministic text and JSON views of a `Graph` (what `flowrl compile` prints; golden tests compare them)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from flowrl.ir.graph import Graph, Node, Range, Ref, Value
+
+
+def format_value(v: Value) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if v is None:
+        return "none"
+    if isinstance(v, str):
+        return json.dumps(v)
+    if isinstance(v, tuple):
+        return "[" + ", ".join(format_value(x) for x in v) + "]"
+    if isinstance(v, float):
+        return repr(v)
+    return str(v)
+
+
+def _kv(mapping: Mapping[str, Value]) -> str:
+    return ", ".join(f"{k}={format_value(v)}" for k, v in sorted(mapping.items()))
+
+
+def format_node(n: Node) -> str:
+    call = f"{n.model}.{n.method}" if n.model else n.op
+    if n.op in ("fn", "reward"):
+        call = f"{n.op}:{n.attrs.get('fn')}"
+    args = ", ".join(f"{p}={i}" for p, i in n.inputs)
+    attrs = {k: v for k, v in n.attrs.items() if not (n.op in ("fn", "reward") and k == "fn")}
+    tail = f" {{{_kv(attrs)}}}" if attrs else ""
+    where = f"@{n.worker_group}/{n.dispatch}"
+    return f"  {n.id} = {call}({args}){tail}  {where}  # {n.loc.line}:{n.loc.col}"
+
+
+def to_text(g: Graph) -> str:
+    """A stable, line-oriented rendering: declarations, worker groups, nodes in schedule order, passes."""
+    lines = [f"flow {g.flow}" + (f"  (use {g.template})" if g.template else "")]
+    for m in g.models:
+        src = m.source_model or m.source
+        extra: dict[str, Value] = {"trainable": m.trainable, "engine": m.engine,
+                                   **({"lr": m.lr} if m.lr is not None else {})}
+        extra.update(m.config)
+        lines.append(f"model {m.name} : {m.role} <- {src} {{{_kv(extra)}}}")
+    for r in g.rewards:
+        lines.append(f"reward {r.name} = {r.target}" + (" (batched)" if r.batched else ""))
+    for d in g.data:
+        lines.append(f"data {d.name} = {d.kind}({d.path.rsplit('/', 1)[-1]}) {{{_kv(d.options)}}}")
+    for p in g.pools:
+        lines.append(f"pool {p.name} {{gpus={p.gpus}, elastic={format_value(p.elastic)}}}")
+    for w in g.worker_groups:
+        pool = f" on {w.pool}" if w.pool else ""
+        lines.append(f"group {w.name}{pool}: {', '.join(w.models)} x{w.replicas}")
+    lines.append("step {")
+    lines.extend(format_node(n) for n in g.nodes)
+    lines.append("}")
+    if g.run:
+        lines.append(f"run {{{_kv(g.run)}}}")
+    for rec in g.passes:
+        lines.append(f"pass {rec.name}: {'changed' if rec.changed else 'unchanged'}")
+    return "\n".join(lines) + "\n"
+
+
+def _json_value(v: Any) -> Any:
+    if isinstance(v, (Range, Ref)):
+        return str(v)
+    if isinstance(v, tuple):
+        return [_json_value(x) for x in v]
+    if isinstance(v, Mapping):
+        return {k: _json_value(x) for k, x in v.items()}
+    return v
+
+
+def to_json(g: Graph) -> dict[str, Any]:
+    return {
+        "flow": g.flow,
+        "path": g.path,
+        "template": g.template,
+        "models": [
+            {
+                "name": m.name, "role": m.role, "source": m.source_model or m.source,
+                "trainable": m.trainable, "lr": m.lr, "engine": m.engine, "gpus": m.gpus,
+                "replicas": _json_value(m.replicas), "config": _json_value(m.config),
+                "loc": str(m.loc),
+            }
+            for m in g.models
+        ],
+        "rewards": [{"name": r.name, "target": r.target, "batched": r.batched} for r in g.rewards],
+        "data": [{"name": d.name, "kind": d.kind, "path": d.path, "options": _json_value(d.options)}
+                 for d in g.data],
+        "nodes": [
+            {
+                "id": n.id, "op": n.op, "model": n.model, "method": n.method,
+                "inputs": list(n.input_ids), "params": [p for p, _ in n.inputs],
+                "attrs": _json_value(n.attrs), "worker_group": n.worker_group, "dispatch": n.dispatch,
+                "loc": str(n.loc),
+            }
+            for n in g.nodes
+        ],
+        "worker_groups": [{"name": w.name, "models": list(w.models), "pool": w.pool,
+                           "replicas": _json_value(w.replicas)} for w in g.worker_groups],
+        "pools": [{"name": p.name, "gpus": _json_value(p.gpus), "elastic": p.elastic} for p in g.pools],
+        "run": _json_value(g.run),
+        "passes": [{"name": p.name, "changed": p.changed, "notes": list(p.notes)} for p in g.passes],
+    }
+
+
+def to_json_text(g: Graph) -> str:
+    return json.dumps(to_json(g), indent=2, sort_keys=False)

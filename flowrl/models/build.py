@@ -1,0 +1,184 @@
+"""Model construction for flowrl (flowrl.models): turns a `ModelSpec` into a torch module plus tokenizer.
+
+Sources: `tiny:gpt2` / `tiny:llama` build a randomly initialised HF causal LM from a few keys (no files, for tests
+and CPU runs); `hf:/abs/path` loads a local HF checkpoint (never downloads). Critics and reward models wrap the
+LM's base transformer in `ValueModel` (backbone + scalar head, verl-style). Every model is returned in eval mode:
+RLHF trains with dropout off so rollout log-probs and training log-probs come from the same function.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from flowrl.models.tokenizer import ByteTokenizer, CharTokenizer, HFTokenizer, Tokenizer
+
+__all__ = ["ROLES", "SOURCES", "LoadedModel", "ModelSpec", "ValueModel", "build_model", "copy_backbone"]
+
+SOURCES = ("tiny:gpt2", "tiny:llama", "hf:/abs/path")
+ROLES = ("policy", "reference", "critic", "reward_model")
+_VALUE_ROLES = ("critic", "reward_model")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_TINY_KEYS = {"layers", "dim", "heads", "vocab", "context", "dropout", "charset"}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What to build: `source` picks the weights, `config` sizes tiny models, `role` picks the head."""
+
+    source: str
+    config: Mapping[str, object] = field(default_factory=dict)
+    role: str = "policy"
+    dtype: str = "float32"
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """A built model; `kind` is "causal_lm" (policy/reference) or "value" (critic/reward_model)."""
+
+    module: nn.Module
+    tokenizer: Tokenizer
+    kind: str
+
+
+class ValueModel(nn.Module):
+    """A causal LM's base transformer plus a linear value head; forward returns (B, T) values."""
+
+    def __init__(self, backbone: nn.Module, hidden_size: int) -> None:
+        super().__init__()
+        self.backbone = backbone
+        self.value_head = nn.Linear(hidden_size, 1)
+        # Exposed so engines can read model_type / attention implementation like they do for LMs.
+        self.config = getattr(backbone, "config", None)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        out = self.backbone(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        )
+        hidden = out.last_hidden_state  # (B, T, H)
+        return self.value_head(hidden).squeeze(-1)  # (B, T)
+
+
+def build_model(spec: ModelSpec, seed: int) -> LoadedModel:
+    """Build the model `spec` describes; `seed` fixes random init without touching global RNG state."""
+    if spec.role not in ROLES:
+        raise ValueError(f"unknown model role {spec.role!r}; expected one of {', '.join(ROLES)}")
+    if spec.dtype not in _DTYPES:
+        raise ValueError(f"unknown dtype {spec.dtype!r}; expected one of {', '.join(_DTYPES)}")
+    dtype = _DTYPES[spec.dtype]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        lm, tokenizer = _build_lm(spec, dtype)
+        module: nn.Module = lm
+        kind = "causal_lm"
+        if spec.role in _VALUE_ROLES:
+            # The head is created inside the forked scope too, so its init is also a function of `seed`.
+            module = ValueModel(_backbone_of(lm), int(lm.config.hidden_size)).to(dtype)
+            kind = "value"
+    module.eval()
+    if spec.role == "reference":
+        module.requires_grad_(False)
+    return LoadedModel(module=module, tokenizer=tokenizer, kind=kind)
+
+
+def copy_backbone(dst: nn.Module, src: nn.Module) -> int:
+    """Copy `src`'s weights into `dst` where they correspond (step-0 init of reference/critic from the actor).
+
+    LM -> LM copies every tensor (lm_head included); any pairing with a `ValueModel` copies the base transformer
+    only, leaving the value head alone. Returns the number of tensors copied; raises `ValueError` when a
+    destination backbone tensor has no same-named, same-shaped source.
+    """
+    lm_to_lm = not isinstance(dst, ValueModel) and not isinstance(src, ValueModel)
+    dst_part = dst if lm_to_lm else _backbone_of(dst)
+    src_part = src if lm_to_lm else _backbone_of(src)
+    src_state = src_part.state_dict()
+    copied = 0
+    missing: list[str] = []
+    with torch.no_grad():
+        for name, tensor in dst_part.state_dict().items():
+            source = src_state.get(name)
+            if source is None or source.shape != tensor.shape:
+                missing.append(name)
+                continue
+            tensor.copy_(source.to(dtype=tensor.dtype, device=tensor.device))
+            copied += 1
+    if missing:
+        shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
+        raise ValueError(f"copy_backbone: {len(missing)} tensors have no matching source ({shown})")
+    return copied
+
+
+def _build_lm(spec: ModelSpec, dtype: torch.dtype) -> tuple[Any, Tokenizer]:
+    source = spec.source
+    if source in ("tiny:gpt2", "tiny:llama"):
+        charset = spec.config.get("charset")
+        tokenizer: ByteTokenizer | CharTokenizer = CharTokenizer(str(charset)) if charset else ByteTokenizer()
+        return _tiny_lm(source.split(":", 1)[1], spec.config, tokenizer).to(dtype), tokenizer
+    if source.startswith("hf:") and len(source) > 3:
+        from transformers import AutoModelForCausalLM
+
+        path = source[3:]
+        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype)
+        return model, HFTokenizer(path)
+    raise ValueError(f"unknown model source {source!r}; expected one of {', '.join(SOURCES)}")
+
+
+def _tiny_lm(family: str, config: Mapping[str, object], tokenizer: ByteTokenizer | CharTokenizer) -> Any:
+    unknown = set(config) - _TINY_KEYS
+    if unknown:
+        raise ValueError(f"unknown tiny model keys {sorted(unknown)}; allowed: {sorted(_TINY_KEYS)}")
+    missing = {"layers", "dim", "heads"} - set(config)
+    if missing:
+        raise ValueError(f"tiny:{family} needs keys {sorted(missing)}")
+    layers, dim, heads = _int(config, "layers"), _int(config, "dim"), _int(config, "heads")
+    context = _int(config, "context", 512)
+    dropout = float(config.get("dropout", 0.0))  # type: ignore[arg-type]
+    vocab = max(_int(config, "vocab", tokenizer.vocab_size), tokenizer.vocab_size)
+    if dim % heads:
+        raise ValueError(f"tiny:{family}: dim={dim} is not divisible by heads={heads}")
+    if family == "gpt2":
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        # gelu_pytorch_tanh is GPT-2's tanh-approximate GELU as one fused kernel (gelu_new is four ops).
+        cfg = GPT2Config(
+            vocab_size=vocab, n_positions=context, n_embd=dim, n_layer=layers, n_head=heads,
+            resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout,
+            activation_function="gelu_pytorch_tanh",
+            bos_token_id=tokenizer.BOS, eos_token_id=tokenizer.EOS, pad_token_id=tokenizer.PAD,
+        )  # fmt: skip
+        return GPT2LMHeadModel(cfg)
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    llama_cfg = LlamaConfig(
+        vocab_size=vocab, hidden_size=dim, intermediate_size=4 * dim, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=context,
+        attention_dropout=dropout,
+        bos_token_id=tokenizer.BOS, eos_token_id=tokenizer.EOS, pad_token_id=tokenizer.PAD,
+    )  # fmt: skip
+    return LlamaForCausalLM(llama_cfg)
+
+
+def _int(config: Mapping[str, object], key: str, default: int | None = None) -> int:
+    value = config.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"model config {key!r} must be a positive int, got {value!r}")
+    return value
+
+
+def _backbone_of(module: nn.Module) -> nn.Module:
+    """The base transformer (no LM head) of a HF causal LM or a ValueModel."""
+    if isinstance(module, ValueModel):
+        return module.backbone
+    base = getattr(module, "base_model", None)
+    if isinstance(base, nn.Module) and base is not module:
+        return base
+    raise ValueError(f"cannot find the base transformer of {type(module).__name__}")

@@ -1,0 +1,75 @@
+"""Graph -> Graph passes: one ordered registry, each pass switchable off and explained by `--explain`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Protocol
+
+from flowrl.ir.graph import Graph, PassRecord
+from flowrl.ir.verify import verify
+
+
+class Pass(Protocol):
+    """A pass returns the rewritten graph and notes saying what it changed and why (or why it refused)."""
+
+    def __call__(self, graph: Graph) -> tuple[Graph, list[str]]: ...
+
+
+@dataclass(frozen=True)
+class RegisteredPass:
+    name: str  # kebab-case, as on the command line
+    fn: Pass
+    doc: str
+    default: bool = True  # on unless switched off
+
+
+REGISTRY: list[RegisteredPass] = []
+
+
+def register(name: str, doc: str, *, default: bool = True) -> Callable[[Pass], Pass]:
+    """Add a pass at the end of the pipeline (import order is pipeline order: see `_load_builtin`)."""
+
+    def wrap(fn: Pass) -> Pass:
+        if any(p.name == name for p in REGISTRY):
+            raise ValueError(f"pass {name!r} registered twice")
+        REGISTRY.append(RegisteredPass(name, fn, doc, default))
+        return fn
+
+    return wrap
+
+
+def _load_builtin() -> None:
+    # Importing the pass modules registers them, in pipeline order.
+    from flowrl.passes import builtin  # noqa: F401
+
+
+def names() -> list[str]:
+    _load_builtin()
+    return [p.name for p in REGISTRY]
+
+
+class PassSelectionError(ValueError):
+    pass
+
+
+def select(only: Sequence[str] | None = None, disabled: Sequence[str] = ()) -> list[RegisteredPass]:
+    """The passes to run: `only` (in pipeline order) or the defaults, minus `disabled`."""
+    _load_builtin()
+    known = {p.name for p in REGISTRY}
+    for name in list(only or []) + list(disabled):
+        if name not in known:
+            raise PassSelectionError(f"unknown pass '{name}' (passes: {', '.join(sorted(known)) or 'none'})")
+    chosen = [p for p in REGISTRY if (p.name in only if only is not None else p.default)]
+    return [p for p in chosen if p.name not in disabled]
+
+
+def run_passes(graph: Graph, passes: Sequence[RegisteredPass]) -> Graph:
+    """Run each pass, verify after each, and record what it did in `graph.passes`."""
+    records = list(graph.passes)
+    for p in passes:
+        new, notes = p.fn(graph)
+        verify(new)
+        records.append(PassRecord(p.name, new != graph, tuple(notes)))
+        graph = new
+    return replace(graph, passes=tuple(records))

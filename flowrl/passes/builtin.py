@@ -1,0 +1,1 @@
+"""The built-in pass pipeline, in order. Each import registers one pass."""

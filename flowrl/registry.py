@@ -1,0 +1,83 @@
+"""Name registries for what flows refer to by name: rewards and step functions.
+
+`@flowrl.reward("name")` and `@flowrl.function("name")` add entries; `import "pkg.module"` in a flow
+imports the module so its registrations become visible. Rewards may also be named by dotted path.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+@dataclass(frozen=True)
+class RewardFn:
+    """A reward callable. `batched` ones take lists (`fn(prompts, responses, **columns) -> list[float]`)."""
+
+    name: str
+    fn: Callable[..., Any]
+    batched: bool = False
+
+
+REWARDS: dict[str, RewardFn] = {}
+FUNCTIONS: dict[str, Callable[..., Any]] = {}
+
+
+def reward(name: str | None = None, *, batched: bool = False) -> Callable[[F], F]:
+    """Register a reward: `fn(prompt, response, **row) -> float` (or the batched form)."""
+
+    def wrap(fn: F) -> F:
+        key = name or fn.__name__
+        REWARDS[key] = RewardFn(key, fn, batched)
+        fn.__flowrl_batched__ = batched  # type: ignore[attr-defined]
+        return fn
+
+    return wrap
+
+
+def function(name: str | None = None) -> Callable[[F], F]:
+    """Register a step function usable as `x = name(a, b, k = v)` in a flow.
+
+    Parameters before `*` receive node outputs (runtime `Batch` objects); keyword-only parameters receive
+    literals. Annotations (int, float, bool, str) are checked by the compiler.
+    """
+
+    def wrap(fn: F) -> F:
+        FUNCTIONS[name or fn.__name__] = fn
+        return fn
+
+    return wrap
+
+
+class ResolveError(LookupError):
+    """A dotted path or registered name that does not resolve; the message says why."""
+
+
+def import_module(module: str) -> None:
+    try:
+        importlib.import_module(module)
+    except Exception as e:  # any import-time failure is the user's module's problem
+        raise ResolveError(f"cannot import module '{module}': {type(e).__name__}: {e}") from None
+
+
+def resolve_reward(target: str) -> RewardFn:
+    """A registered reward name, or `pkg.module.fn` (imported now so errors surface at check time)."""
+    if target in REWARDS:
+        return REWARDS[target]
+    if "." not in target:
+        known = ", ".join(sorted(REWARDS)) or "none"
+        raise ResolveError(f"no reward registered as '{target}' (registered: {known})")
+    module, _, attr = target.rpartition(".")
+    import_module(module)
+    if target in REWARDS:  # the import may have registered it under its dotted name
+        return REWARDS[target]
+    obj = getattr(importlib.import_module(module), attr, None)
+    if obj is None:
+        raise ResolveError(f"module '{module}' has no attribute '{attr}'")
+    if not callable(obj):
+        raise ResolveError(f"'{target}' is not callable")
+    return RewardFn(target, obj, bool(getattr(obj, "__flowrl_batched__", False)))

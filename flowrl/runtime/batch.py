@@ -1,0 +1,119 @@
+"""`Batch`: the data that moves between graph nodes — named tensors sharing a sample dimension plus
+per-sample metadata (prompt text, response text, the data row, prompt id). The controller moves batches
+between worker groups without looking inside their tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+# Tensors carried from a rollout into every batch derived from it, so step functions have masks and groups.
+CARRIED = ("response_mask", "group_id")
+
+
+@dataclass
+class Batch:
+    """`tensors[k].shape[0] == size` and `len(meta[k]) == size` for every key."""
+
+    size: int
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    meta: dict[str, list[Any]] = field(default_factory=dict)
+    primary: str | None = None  # the field a consumer gets when it asks for this node's value
+
+    def __post_init__(self) -> None:
+        for k, t in self.tensors.items():
+            if t.shape[0] != self.size:
+                raise ValueError(f"tensor {k!r} has {t.shape[0]} rows, batch has {self.size}")
+        for k, v in self.meta.items():
+            if len(v) != self.size:
+                raise ValueError(f"meta {k!r} has {len(v)} entries, batch has {self.size}")
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.tensors or key in self.meta
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        return self.tensors[key]
+
+    def value(self, want: str | None = None) -> torch.Tensor:
+        """The tensor named `want` if present, else this batch's primary tensor."""
+        if want is not None and want in self.tensors:
+            return self.tensors[want]
+        if self.primary is None:
+            raise KeyError(f"batch has no field {want!r} and no primary field (fields: {sorted(self.tensors)})")
+        return self.tensors[self.primary]
+
+    def derive(self, primary: str, **tensors: torch.Tensor) -> Batch:
+        """A new batch over the same samples: the carried tensors and meta, plus `tensors`."""
+        kept = {k: self.tensors[k] for k in CARRIED if k in self.tensors}
+        return Batch(self.size, {**kept, **tensors}, dict(self.meta), primary)
+
+    def select(self, index: Sequence[int] | torch.Tensor) -> Batch:
+        idx = torch.as_tensor(index, dtype=torch.long)
+        rows = idx.tolist()
+        return Batch(
+            len(rows),
+            {k: t.index_select(0, idx) for k, t in self.tensors.items()},
+            {k: [v[i] for i in rows] for k, v in self.meta.items()},
+            self.primary,
+        )
+
+    def slice(self, start: int, stop: int) -> Batch:
+        return Batch(
+            max(0, min(stop, self.size) - start),
+            {k: t[start:stop] for k, t in self.tensors.items()},
+            {k: v[start:stop] for k, v in self.meta.items()},
+            self.primary,
+        )
+
+    def chunks(self, rows: int) -> list[Batch]:
+        """Contiguous pieces of at most `rows` samples (rows <= 0 means one piece)."""
+        if rows <= 0 or rows >= self.size:
+            return [self]
+        return [self.slice(i, i + rows) for i in range(0, self.size, rows)]
+
+    def split(self, parts: int) -> list[Batch]:
+        """`parts` contiguous pieces as equal as possible (data-parallel split); empty pieces dropped."""
+        bounds = [round(i * self.size / parts) for i in range(parts + 1)]
+        return [self.slice(a, b) for a, b in zip(bounds, bounds[1:], strict=False) if b > a]
+
+    def merge(self, other: Batch, rename: dict[str, str] | None = None) -> Batch:
+        """Fields of `other` added to this batch (same samples), optionally renamed."""
+        if other.size != self.size:
+            raise ValueError(f"cannot merge batches of {self.size} and {other.size} samples")
+        extra = {(rename or {}).get(k, k): t for k, t in other.tensors.items()}
+        return Batch(self.size, {**self.tensors, **extra}, {**other.meta, **self.meta}, self.primary)
+
+    @staticmethod
+    def concat(batches: Sequence[Batch]) -> Batch:
+        """Samples of all batches, in order. Tensors with a second dimension are right-padded with 0 to the
+        widest, except `*_ids` left-padded prompt tensors, which are left-padded (see `_pad`)."""
+        if len(batches) == 1:
+            return batches[0]
+        keys = list(batches[0].tensors)
+        tensors = {k: _cat([b.tensors[k] for b in batches], left=k.startswith("prompt_")) for k in keys}
+        meta = {k: [x for b in batches for x in b.meta[k]] for k in batches[0].meta}
+        return Batch(sum(b.size for b in batches), tensors, meta, batches[0].primary)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+
+def _cat(parts: list[torch.Tensor], left: bool) -> torch.Tensor:
+    if parts[0].dim() < 2:
+        return torch.cat(parts)
+    width = max(p.shape[1] for p in parts)
+    padded = []
+    for p in parts:
+        gap = width - p.shape[1]
+        if gap:
+            pad = p.new_zeros((p.shape[0], gap, *p.shape[2:]))
+            p = torch.cat([pad, p] if left else [p, pad], dim=1)
+        padded.append(p)
+    return torch.cat(padded)

@@ -1,0 +1,165 @@
+"""The single controller: walks the compiled graph once per step, sending each model call to its worker
+group and running data, reward and step-function nodes itself. Every node is timed.
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from flowrl.data.jsonl import PromptLoader
+from flowrl.errors import Diagnostic, ExecutionError, FlowError
+from flowrl.ir.graph import Graph, Node
+from flowrl.registry import RewardFn
+from flowrl.runtime.batch import Batch
+from flowrl.runtime.functions import call_function, score_rollout
+from flowrl.runtime.protocol import WorkerGroup
+
+# Update inputs: parameter name -> the field it becomes in the training batch.
+UPDATE_FIELDS = {"old_logp": "logp", "ref_logp": "logp", "advantages": "advantages", "returns": "returns",
+                 "values": "values"}
+
+
+@dataclass(frozen=True)
+class Span:
+    """One node's execution, for trace.json and the timeline."""
+
+    node: str
+    op: str
+    group: str
+    step: int
+    start: float  # seconds since the run started
+    dur: float
+
+
+@dataclass
+class StepResult:
+    metrics: dict[str, float]
+    spans: list[Span] = field(default_factory=list)
+    values: dict[str, Batch] = field(default_factory=dict)
+
+
+class Controller:
+    """Drives the iteration. It moves batches and futures between worker groups and never looks into
+    model weights; all tensor math it does itself is the cheap per-sample kind (advantages, rewards)."""
+
+    def __init__(self, graph: Graph, groups: Mapping[str, WorkerGroup], loaders: Mapping[str, PromptLoader],
+                 rewards: Mapping[str, RewardFn], *, seed: int, clock_start: float | None = None):
+        self.graph, self.groups, self.loaders, self.rewards = graph, dict(groups), dict(loaders), dict(rewards)
+        self.seed = seed
+        self.t0 = clock_start if clock_start is not None else time.perf_counter()
+
+    def step_seed(self, step: int, node: Node) -> int:
+        # A seed per (step, node) makes a resumed run draw the same samples as an uninterrupted one.
+        return (self.seed * 7_919 + step * 104_729 + sum(map(ord, node.id))) % (2**31)
+
+    def step(self, step: int) -> StepResult:
+        values: dict[str, Batch] = {}
+        result = StepResult({})
+        for node in self.graph.nodes:
+            start = time.perf_counter()
+            try:
+                out = self._run(node, values, step, result.metrics)
+            except FlowError as e:
+                raise type(e)([_context(node, self.graph.path), *e.diagnostics]) from None
+            except Exception as e:
+                raise ExecutionError([_context(node, self.graph.path, e)]) from e
+            dur = time.perf_counter() - start
+            if out is not None:
+                values[node.id] = out
+            result.spans.append(Span(node.id, node.op, node.worker_group, step, start - self.t0, dur))
+            result.metrics[f"time/{node.id}"] = dur
+        result.metrics.update(_summary(self.graph, values))
+        result.values = values
+        return result
+
+    def _run(self, node: Node, values: dict[str, Batch], step: int, metrics: dict[str, float]) -> Batch | None:
+        inputs = {param: values[src] for param, src in node.inputs}
+        attrs = dict(node.attrs)
+        if node.op == "data":
+            return _prompt_batch(self.loaders[node.id])
+        if node.op == "reward":
+            name = str(attrs["fn"])
+            return score_rollout(name, self.rewards[name], inputs["rollout"])
+        if node.op == "fn":
+            return call_function(str(attrs["fn"]), inputs, attrs)
+        group = self.groups[node.worker_group]
+        if node.op == "generate":
+            fut = group.call("generate", node.model, inputs["prompts"], attrs, dispatch=node.dispatch,
+                             step_seed=self.step_seed(step, node))
+            return fut.result()
+        if node.op in ("logprobs", "values", "score"):
+            return group.call(node.op, node.model, inputs["rollout"], attrs,
+                              dispatch=node.dispatch).result()
+        if node.op == "update":
+            batch = _training_batch(inputs)
+            out = group.call("update", node.model, batch, attrs, dispatch=node.dispatch,
+                             step_seed=self.step_seed(step, node)).result()
+            metrics.update({f"{node.model}/{k}": float(v) for k, v in out.items()})
+            if self.graph.model(str(node.model)).role == "policy" and "loss" in out:
+                metrics["loss"] = float(out["loss"])
+            return None
+        raise ValueError(f"unknown op {node.op!r}")
+
+
+def _prompt_batch(loader: PromptLoader) -> Batch:
+    picked = loader.next_batch()
+    return Batch(len(picked), {}, {
+        "prompt": [str(row.get(loader.prompt_key, "")) for _, row in picked],
+        "row": [row for _, row in picked],
+        "prompt_id": [i for i, _ in picked],
+    })
+
+
+def _training_batch(inputs: Mapping[str, Batch]) -> Batch:
+    rollout = inputs["rollout"]
+    tensors: dict[str, torch.Tensor] = {k: rollout[k] for k in ("prompt_ids", "prompt_mask", "response_ids", "response_mask",
+                                        "temperature", "group_id") if k in rollout.tensors}
+    for param, batch in inputs.items():
+        if param == "rollout":
+            continue
+        tensors[param] = batch.value(param if param in batch.tensors else UPDATE_FIELDS.get(param))
+    return Batch(rollout.size, tensors, {}, None)
+
+
+def _summary(graph: Graph, values: Mapping[str, Batch]) -> dict[str, float]:
+    """The per-step metrics every run reports (reward, lengths, KL to the reference)."""
+    out: dict[str, float] = {}
+    rollout = next((values[n.id] for n in graph.nodes if n.op == "generate" and n.id in values), None)
+    if rollout is not None:
+        lens = rollout["response_mask"].sum(1).float()
+        out["response_len_mean"] = float(lens.mean())
+        out["gen_tokens"] = float(lens.sum())
+    rewards = [n for n in graph.nodes if n.op in ("reward", "score") and n.id in values]
+    for i, n in enumerate(rewards):
+        mean = float(values[n.id]["scores"].mean())
+        out[f"reward/{n.id}"] = mean
+        if i == 0:
+            out["reward_mean"] = mean
+            out["reward_std"] = float(values[n.id]["scores"].std()) if values[n.id].size > 1 else 0.0
+    for n in graph.nodes:
+        old, ref = n.input("old_logp"), n.input("ref_logp")
+        if n.op == "update" and old is not None and ref is not None and old in values and ref in values:
+            mask = values[old]["response_mask"].float()
+            diff = (values[old].value("logp") - values[ref].value("logp")) * mask
+            out["kl_mean"] = float(diff.sum() / mask.sum().clamp(min=1))
+            break
+    return out
+
+
+def _context(node: Node, flow_path: str, error: BaseException | None = None) -> Diagnostic:
+    """'while executing old_logp = actor.logprobs(rollout)  # grpo.flow:14' plus the failing frame."""
+    where = f"{node.loc.path}:{node.loc.line}"
+    message = f"while executing {node.text or node.id}  # {where}"
+    hint = None
+    if error is not None:
+        message += f": {type(error).__name__}: {error}"
+        frames = traceback.extract_tb(error.__traceback__)
+        if frames:
+            last = frames[-1]
+            hint = f"raised at {last.filename}:{last.lineno} in {last.name}"
+    return Diagnostic(message, hint=hint)

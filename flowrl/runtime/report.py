@@ -1,0 +1,107 @@
+"""Run outputs: metrics.jsonl, Chrome trace events (trace.json), the reward curve, TensorBoard when present."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from flowrl.runtime.controller import Span
+
+TRACE_PID = 1
+
+
+def append_metrics(path: Path, row: dict[str, Any]) -> None:
+    with path.open("a", encoding="utf-8") as f:
+        f.write(json.dumps(row, sort_keys=True) + "\n")
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def truncate_metrics(path: Path, last_step: int) -> None:
+    """Drop rows after `last_step` (a resumed run recomputes them)."""
+    rows = [r for r in read_metrics(path) if int(r["step"]) <= last_step]
+    path.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in rows), encoding="utf-8")
+
+
+def trace_events(spans: Iterable[Span], groups: Sequence[str],
+                 prior: Sequence[dict[str, Any]] = ()) -> list[dict[str, Any]]:
+    """Chrome trace events ("X" complete events, microseconds): one span per node per step, one track
+    (tid) per worker group, named with thread_name metadata so Perfetto shows the group names. `prior`
+    holds the span events of the steps before a resume."""
+    tids = {g: i + 1 for i, g in enumerate(groups)}
+    events: list[dict[str, Any]] = [
+        {"ph": "M", "name": "process_name", "pid": TRACE_PID, "tid": 0, "args": {"name": "flowrl"}}
+    ]
+    events += [{"ph": "M", "name": "thread_name", "pid": TRACE_PID, "tid": t, "args": {"name": g}}
+               for g, t in tids.items()]
+    events += list(prior)
+    for s in spans:
+        tid = tids.setdefault(s.group, len(tids) + 1)
+        events.append({"name": s.node, "cat": s.op, "ph": "X", "pid": TRACE_PID, "tid": tid,
+                       "ts": round(s.start * 1e6, 1), "dur": round(s.dur * 1e6, 1),
+                       "args": {"step": s.step, "group": s.group}})
+    return events
+
+
+def write_trace(path: Path, events: list[dict[str, Any]]) -> None:
+    path.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}), encoding="utf-8")
+
+
+def load_trace(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    events: list[dict[str, Any]] = json.loads(path.read_text(encoding="utf-8")).get("traceEvents", [])
+    return events
+
+
+def plot_rewards(metrics: list[dict[str, Any]], out: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in metrics if "reward_mean" in r]
+    rewards = [r["reward_mean"] for r in metrics if "reward_mean" in r]
+    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
+    ax.plot(steps, rewards, lw=1, alpha=0.5, label="reward_mean")
+    if len(rewards) >= 5:
+        k = max(1, len(rewards) // 20)
+        smooth = [sum(rewards[max(0, i - k):i + 1]) / len(rewards[max(0, i - k):i + 1]) for i in range(len(rewards))]
+        ax.plot(steps, smooth, lw=2, label=f"moving mean ({k + 1})")
+    ax.set_xlabel("step")
+    ax.set_ylabel("reward")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(out)
+    plt.close(fig)
+
+
+class TensorBoard:
+    """Writes scalars when `tensorboard` is installed; a no-op otherwise."""
+
+    def __init__(self, logdir: Path):
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except Exception:  # tensorboard is an optional extra
+            self.writer = None
+        else:
+            self.writer = SummaryWriter(str(logdir))
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        if self.writer is None:
+            return
+        for k, v in metrics.items():
+            if isinstance(v, (int, float)) and k != "step":
+                self.writer.add_scalar(k, v, step)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()

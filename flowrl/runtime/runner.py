@@ -1,0 +1,156 @@
+"""`run()`: a compiled graph to a finished run directory — the loop that `flowrl run` calls.
+
+It starts the backend's worker groups, drives the controller step by step, writes metrics, the trace and
+checkpoints as it goes (so an interrupted run loses at most `checkpoint_every` steps), and resumes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from flowrl.data.jsonl import PromptLoader, read_jsonl
+from flowrl.errors import Diagnostic, FlowError
+from flowrl.ir.graph import Graph
+from flowrl.ir.printer import to_json_text, to_text
+from flowrl.registry import RewardFn, resolve_reward
+from flowrl.runtime import report
+from flowrl.runtime.controller import Controller, Span
+from flowrl.runtime.protocol import Backend, WorkerGroup
+
+CKPT_DIR = "checkpoints"
+
+
+@dataclass(frozen=True)
+class RunResult:
+    out_dir: Path
+    metrics: list[dict[str, Any]]
+    steps: int
+
+
+def make_backend(name: str, **options: Any) -> Backend:
+    if name == "local":
+        from flowrl.backends.local import LocalBackend
+
+        return LocalBackend()
+    if name == "ray":
+        try:
+            from flowrl.backends.ray import RayBackend  # type: ignore[attr-defined]
+        except ImportError as e:
+            raise FlowError(Diagnostic(f"the ray backend needs Ray: {e}", hint="pip install 'flowrl[ray]'")) from None
+        backend: Backend = RayBackend(**options)
+        return backend
+    raise FlowError(Diagnostic(f"unknown backend '{name}'", hint="use --backend local or --backend ray"))
+
+
+def last_checkpoint(out_dir: Path) -> Path | None:
+    found = sorted((out_dir / CKPT_DIR).glob("step_*.pt"))
+    return found[-1] if found else None
+
+
+def _rewards(graph: Graph) -> dict[str, RewardFn]:
+    return {r.target: resolve_reward(r.target) for r in graph.rewards}
+
+
+def _loaders(graph: Graph, seed: int) -> dict[str, PromptLoader]:
+    loaders = {}
+    for d in graph.data:
+        opts: dict[str, Any] = dict(d.options)
+        key = str(opts.get("prompt_key", "prompt"))
+        rows = read_jsonl(d.path, key)
+        limit = int(opts.get("limit", 0) or 0)
+        loaders[d.name] = PromptLoader(rows[:limit] if limit else rows, int(opts.get("batch", 8)),
+                                       bool(opts.get("shuffle", True)), seed, key)
+    return loaders
+
+
+def run(graph: Graph, *, out_dir: str | Path, backend: str = "local", steps: int | None = None,
+        seed: int | None = None, resume: bool = False, device: str | None = None,
+        on_step: Callable[[int, dict[str, Any]], None] | None = None,
+        backend_options: dict[str, Any] | None = None) -> RunResult:
+    """Train `graph` for `steps` steps (default: `run { steps }`) and return the metrics of every step."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    settings: dict[str, Any] = dict(graph.run)
+    total = int(steps if steps is not None else settings.get("steps", 100))
+    seed = int(seed if seed is not None else settings.get("seed", 0))
+    dev = str(device or settings.get("device", "auto"))
+    every = int(settings.get("checkpoint_every", 0) or 0)
+    torch.manual_seed(seed)
+
+    (out / "graph.txt").write_text(to_text(graph), encoding="utf-8")
+    (out / "graph.json").write_text(to_json_text(graph), encoding="utf-8")
+    loaders, rewards = _loaders(graph, seed), _rewards(graph)
+    metrics_path, trace_path = out / "metrics.jsonl", out / "trace.json"
+
+    be = make_backend(backend, **(backend_options or {}))
+    t0 = time.perf_counter()
+    try:
+        groups = be.start(graph, seed=seed, device=dev)
+        start = 0
+        events: list[dict[str, Any]] = []
+        ckpt = last_checkpoint(out) if resume else None
+        if ckpt is not None:
+            start = _load_checkpoint(ckpt, groups, loaders)
+            report.truncate_metrics(metrics_path, start)
+            events = [e for e in report.load_trace(trace_path) if e.get("ph") == "X" and e["args"]["step"] <= start]
+            t0 -= max((e["ts"] + e["dur"]) / 1e6 for e in events if e.get("ph") == "X") if events else 0.0
+        elif metrics_path.exists():
+            metrics_path.unlink()
+        (out / "run.json").write_text(json.dumps({"flow": graph.path, "backend": backend, "seed": seed,
+                                                  "steps": total, "device": dev}, indent=2), encoding="utf-8")
+        ctl = Controller(graph, groups, loaders, rewards, seed=seed, clock_start=t0)
+        tb = report.TensorBoard(out / "tb")
+        group_names = ["controller", *[w.name for w in graph.worker_groups]]
+        spans: list[Span] = []
+        for step in range(start + 1, total + 1):
+            began = time.perf_counter()
+            res = ctl.step(step)
+            row: dict[str, Any] = {"step": step, **res.metrics, "step_time_s": time.perf_counter() - began}
+            row["tokens_per_s"] = row.get("gen_tokens", 0.0) / max(row["step_time_s"], 1e-9)
+            report.append_metrics(metrics_path, row)
+            tb.log(step, row)
+            spans.extend(res.spans)
+            if on_step is not None:
+                on_step(step, row)
+            if (every and step % every == 0) or step == total:
+                _save_checkpoint(out, step, groups, loaders)
+                report.write_trace(trace_path, report.trace_events(spans, group_names, prior=events))
+        tb.close()
+    finally:
+        be.shutdown()
+    metrics = report.read_metrics(metrics_path)
+    if metrics:
+        report.plot_rewards(metrics, out / "reward.png", graph.flow)
+    return RunResult(out, metrics, total)
+
+
+def _save_checkpoint(out: Path, step: int, groups: dict[str, WorkerGroup], loaders: dict[str, PromptLoader]) -> None:
+    """Models, optimizers and data-loader positions. Sampling RNG is derived from (seed, step), so the step
+    number restores it. Written to a temp file and renamed so a crash never leaves a torn checkpoint."""
+    state = {
+        "step": step,
+        "groups": {name: g.state_dict() for name, g in groups.items()},
+        "loaders": {name: ld.state_dict() for name, ld in loaders.items()},
+    }
+    path = out / CKPT_DIR / f"step_{step:06d}.pt"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+def _load_checkpoint(path: Path, groups: dict[str, WorkerGroup], loaders: dict[str, PromptLoader]) -> int:
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    for name, g in groups.items():
+        g.load_state_dict(state["groups"][name])
+    for name, ld in loaders.items():
+        ld.load_state_dict(state["loaders"][name])
+    return int(state["step"])

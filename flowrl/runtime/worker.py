@@ -1,0 +1,238 @@
+"""`ModelWorker`: the models of one worker group and their methods (generate, logprobs, values, score,
+update). One instance lives in each rank's process — in-process for the local backend, inside a Ray actor
+for the Ray backend — so both backends run the same model code.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Mapping, Sequence
+from functools import partial
+from typing import Any
+
+import torch
+
+from flowrl.algos import aggregate, kl, ppo_clip_loss, value_loss
+from flowrl.engines.generation import forward_logprobs, forward_logprobs_entropy, forward_values, generate
+from flowrl.engines.training import TrainEngine
+from flowrl.ir.graph import ModelDecl
+from flowrl.models.build import LoadedModel, ModelSpec, build_model, copy_backbone
+from flowrl.runtime.batch import Batch
+
+ROLLOUT_KEYS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "temperature")
+
+
+def model_seed(seed: int, name: str) -> int:
+    """Init seed of a model: stable across processes, so any rank can rebuild the same initial weights."""
+    return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**31)
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def _spec(decl: ModelDecl, role: str | None = None) -> ModelSpec:
+    return ModelSpec(source=decl.source, config=dict(decl.config), role=role or decl.role,
+                     dtype=str(decl.options.get("dtype", "float32")))
+
+
+def init_model(decl: ModelDecl, decls: Mapping[str, ModelDecl], seed: int) -> LoadedModel:
+    """Build `decl`; a model with `source = other` starts from `other`'s step-0 weights (rebuilt from the
+    same seed, so this works in any process without shipping weights)."""
+    if decl.source_model is None:
+        return build_model(_spec(decl), model_seed(seed, decl.name))
+    src = decls[decl.source_model]
+    while src.source_model is not None:
+        src = decls[src.source_model]
+    origin = build_model(_spec(src), model_seed(seed, src.name))
+    if decl.role in ("critic", "reward_model"):
+        loaded = build_model(_spec(decl), model_seed(seed, decl.name))
+        copy_backbone(loaded.module, origin.module)
+        return loaded
+    if decl.role == "reference":
+        origin.module.requires_grad_(False)
+        origin.module.eval()
+    return origin
+
+
+class ModelWorker:
+    """Holds the models named in `models` (colocated on this rank) and their optimizers."""
+
+    def __init__(self, models: Sequence[ModelDecl], all_models: Sequence[ModelDecl], *, seed: int,
+                 device: str = "cpu", rank: int = 0, world: int = 1):
+        self.device = resolve_device(device)
+        self.rank, self.world = rank, world
+        decls = {m.name: m for m in all_models}
+        self.decls = {m.name: m for m in models}
+        self.models: dict[str, LoadedModel] = {}
+        self.trainers: dict[str, TrainEngine] = {}
+        for m in models:
+            loaded = init_model(m, decls, seed)
+            loaded.module.to(self.device)
+            self.models[m.name] = loaded
+            options: Mapping[str, Any] = m.options
+            if m.trainable:
+                # Modules stay in eval mode: dropout off, as RLHF trainers run (old and new log-probs must agree).
+                self.trainers[m.name] = TrainEngine(
+                    loaded.module, lr=float(m.lr if m.lr is not None else 1e-5),
+                    weight_decay=float(options.get("weight_decay", 0.0) or 0.0),
+                )
+            else:
+                loaded.module.requires_grad_(False)
+
+    # ---- inference methods -------------------------------------------------------------------------
+    def generate(self, model: str, prompts: Batch, attrs: Mapping[str, Any], *, step_seed: int) -> Batch:
+        loaded = self.models[model]
+        tok = loaded.tokenizer
+        n = int(attrs.get("n", 1))
+        max_tokens = int(attrs.get("max_tokens", 256))
+        config: Mapping[str, Any] = self.decls[model].config
+        context = int(config.get("context", 512) or 512)
+        ids = []
+        for text in prompts.meta["prompt"]:
+            row = tok.encode(text)
+            if tok.bos_id is not None:
+                row = [tok.bos_id, *row]
+            ids.append(row[-max(1, context - max_tokens):])  # keep the prompt's end if it is too long
+        gen = torch.Generator(device="cpu").manual_seed(step_seed)
+        out = generate(
+            loaded.module, tok, ids, n=n, max_tokens=max_tokens, min_tokens=int(attrs.get("min_tokens", 0)),
+            temperature=float(attrs.get("temperature", 1.0)), top_p=float(attrs.get("top_p", 1.0)),
+            generator=gen, share_prefix=bool(attrs.get("share_prefix", True)), device=str(self.device),
+        )
+        index = out.prompt_index.cpu()
+        responses = [tok.decode([int(t) for t, m in zip(r, mk, strict=True) if m]) for r, mk in
+                     zip(out.response_ids.tolist(), out.response_mask.tolist(), strict=True)]
+        rows: list[int] = index.tolist()
+        size = len(rows)
+        tensors = {
+            "prompt_ids": out.prompt_ids.cpu(), "prompt_mask": out.prompt_mask.cpu(),
+            "response_ids": out.response_ids.cpu(), "response_mask": out.response_mask.cpu(),
+            "group_id": index.clone(),
+            "temperature": torch.full((size,), float(attrs.get("temperature", 1.0))),
+            "gen_logp": out.logprobs.cpu(),
+        }
+        meta = {k: [v[i] for i in rows] for k, v in prompts.meta.items()}
+        meta["response"] = responses
+        return Batch(size, tensors, meta, primary="response_ids")
+
+    def _inputs(self, rollout: Batch) -> tuple[torch.Tensor, ...]:
+        d = self.device
+        return tuple(rollout[k].to(d) for k in ("prompt_ids", "prompt_mask", "response_ids", "response_mask"))
+
+    def logprobs(self, model: str, rollout: Batch, attrs: Mapping[str, Any]) -> Batch:
+        temp = float(rollout["temperature"][0]) if "temperature" in rollout.tensors else 1.0
+        logp = forward_logprobs(self.models[model].module, *self._inputs(rollout), temperature=_safe_temp(temp),
+                                micro_batch=int(attrs.get("micro_batch", 0)))
+        return rollout.derive("logp", logp=logp.cpu())
+
+    def values(self, model: str, rollout: Batch, attrs: Mapping[str, Any]) -> Batch:
+        values = forward_values(self.models[model].module, *self._inputs(rollout),
+                                micro_batch=int(attrs.get("micro_batch", 0)))
+        return rollout.derive("values", values=values.cpu())
+
+    def score(self, model: str, rollout: Batch, attrs: Mapping[str, Any]) -> Batch:
+        """Reward-model score: the value head at each sample's last response token."""
+        values = self.values(model, rollout, attrs)["values"]  # (B, T)
+        mask = rollout["response_mask"]
+        last = (mask.sum(1) - 1).clamp(min=0).long()
+        scores = values.gather(1, last[:, None]).squeeze(1)
+        return rollout.derive("scores", scores=scores)
+
+    # ---- training ----------------------------------------------------------------------------------
+    def update(self, model: str, batch: Batch, attrs: Mapping[str, Any], *, step_seed: int) -> dict[str, float]:
+        """Epochs x mini-batches of optimizer steps; each mini-batch is split into micro-batches whose losses
+        are scaled by the whole mini-batch's denominators, so the update does not depend on the split."""
+        role = self.decls[model].role
+        engine = self.trainers[model]
+        module = self.models[model].module
+        epochs, parts = int(attrs.get("epochs", 1)), max(1, int(attrs.get("mini_batches", 1)))
+        micro = int(attrs.get("micro_batch", 0))
+        gen = torch.Generator().manual_seed(step_seed)
+        sums: dict[str, float] = {}
+        count = 0
+        for _ in range(epochs):
+            order = torch.randperm(batch.size, generator=gen) if epochs > 1 or parts > 1 else torch.arange(batch.size)
+            shuffled = batch.select(order)
+            for mini in shuffled.split(parts):
+                denoms = {"num_tokens": float(mini["response_mask"].sum()), "num_seqs": mini.size,
+                          "horizon": int(mini["response_mask"].shape[1])}
+                loss = self._critic_loss if role == "critic" else self._policy_loss
+                metrics = engine.step(mini.chunks(micro), partial(loss, module, attrs=attrs, denoms=denoms))
+                for k, v in metrics.items():
+                    sums[k] = sums.get(k, 0.0) + float(v)
+                count += 1
+        return {k: v / max(count, 1) for k, v in sums.items()}
+
+    def _policy_loss(self, module: torch.nn.Module, mb: Batch, *, attrs: Mapping[str, Any],
+                     denoms: Mapping[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
+        inputs = self._inputs(mb)
+        mask = inputs[3].float()
+        temp = float(mb["temperature"][0]) if "temperature" in mb.tensors else 1.0
+        entropy_coef = float(attrs.get("entropy_coef", 0.0) or 0.0)
+        logp, entropy = forward_logprobs_entropy(module, *inputs, temperature=_safe_temp(temp),
+                                                 with_grad=True)  # (B, T) each
+        old = mb["old_logp"].to(self.device) if "old_logp" in mb.tensors else logp.detach()
+        adv = mb["advantages"].to(self.device)
+        agg = str(attrs.get("agg", "token-mean"))
+        clip_high = attrs.get("clip_high")
+        dual = attrs.get("dual_clip")
+        loss, metrics = ppo_clip_loss(
+            logp, old, adv, mask, clip=float(attrs.get("clip", 0.2)),
+            clip_high=float(clip_high) if clip_high is not None else None,
+            dual_clip=float(dual) if dual is not None else None, agg=agg, **denoms,
+        )
+        metrics = {f"pg_{k}" if k != "clipfrac" else k: v for k, v in metrics.items()}
+        metrics["pg_loss"] = float(loss.detach())
+        kl_coef = float(attrs.get("kl_coef", 0.0) or 0.0)
+        if kl_coef and "ref_logp" in mb.tensors:
+            kl_tok = kl(logp, mb["ref_logp"].to(self.device), str(attrs.get("kl", "k3")))
+            kl_loss = aggregate(kl_tok, mask, agg, **denoms)
+            loss = loss + kl_coef * kl_loss
+            metrics["kl_loss"] = float(kl_loss.detach())
+        ent = aggregate(entropy, mask, agg, **denoms)
+        metrics["entropy"] = float(ent.detach())
+        if entropy_coef:
+            loss = loss - entropy_coef * ent  # a bonus: higher entropy lowers the loss
+        return loss, metrics
+
+    def _critic_loss(self, module: torch.nn.Module, mb: Batch, *, attrs: Mapping[str, Any],
+                     denoms: Mapping[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
+        inputs = self._inputs(mb)
+        values = forward_values(module, *inputs, with_grad=True)  # (B, T)
+        old = mb["values"].to(self.device) if "values" in mb.tensors else values.detach()
+        clip = attrs.get("clip")
+        loss, metrics = value_loss(values, old, mb["returns"].to(self.device), inputs[3].float(),
+                                   clip=float(clip) if clip is not None else None,
+                                   agg=str(attrs.get("agg", "token-mean")), **denoms)
+        metrics["vf_loss"] = float(loss.detach())
+        return loss, metrics
+
+    # ---- state -------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            name: {"module": m.module.state_dict(),
+                   "optim": self.trainers[name].state_dict() if name in self.trainers else None}
+            for name, m in self.models.items()
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        for name, s in state.items():
+            if name not in self.models:
+                continue
+            self.models[name].module.load_state_dict(s["module"])
+            if s.get("optim") is not None and name in self.trainers:
+                self.trainers[name].load_state_dict(s["optim"])
+
+    def weights(self, model: str) -> dict[str, torch.Tensor]:
+        return {k: v.detach().cpu() for k, v in self.models[model].module.state_dict().items()}
+
+    def load_weights(self, model: str, weights: Mapping[str, torch.Tensor]) -> None:
+        self.models[model].module.load_state_dict(weights)
+
+
+def _safe_temp(t: float) -> float:
+    # Greedy generation (temperature 0) scores tokens at temperature 1.
+    return t if t > 0 else 1.0

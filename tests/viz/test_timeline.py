@@ -1,0 +1,77 @@
+"""`flowrl timeline`: a Gantt chart PNG from a run's trace.json."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import matplotlib.image
+import pytest
+
+import flowrl.cli
+from flowrl.errors import FlowError
+from flowrl.runtime.controller import Span
+from flowrl.runtime.report import trace_events, write_trace
+from flowrl.viz.timeline import bars, load_spans, timeline
+
+DUR = {"prompts": 0.002, "rollout": 0.8, "old_logp": 0.12, "ref_logp": 0.11, "scores": 0.03, "adv": 0.004,
+       "actor.update": 0.35}
+
+
+def write_run(run: Path, graph: Any, steps: int = 5) -> Path:
+    """A trace like the runner writes: the nodes run one after another, step after step."""
+    spans, t = [], 2.0
+    for step in range(1, steps + 1):
+        for n in graph.nodes:
+            spans.append(Span(n.id, n.op, n.worker_group, step, t, DUR[n.id]))
+            t += DUR[n.id] + 0.001
+    run.mkdir(parents=True, exist_ok=True)
+    write_trace(run / "trace.json", trace_events(spans, ["controller", *[w.name for w in graph.worker_groups]]))
+    return run
+
+
+def test_timeline_png(graphs: Any, tmp_path: Path) -> None:
+    out = timeline(write_run(tmp_path / "run", graphs.grpo()), tmp_path / "t.png")
+    assert out.stat().st_size > 0
+    h, w = matplotlib.image.imread(out).shape[:2]
+    assert 800 < w < 2500 and 150 < h < 1000 and w > h
+
+
+def test_last_steps_are_drawn_from_zero(graphs: Any, tmp_path: Path) -> None:
+    spans, names = load_spans(write_run(tmp_path / "run", graphs.grpo(), steps=5))
+    assert names == {1: "controller", 2: "rollout", 3: "train"}
+    drawn = bars(spans, 2)
+    assert {b.step for b in drawn} == {4, 5}
+    assert len(drawn) == 2 * len(DUR)
+    assert drawn[0].node == "prompts" and drawn[0].start == 0.0
+    assert {b.row for b in drawn if b.node == "rollout"} == {2}
+    assert drawn[-1].node == "actor.update" and drawn[-1].dur == pytest.approx(0.35)
+    assert len(bars(spans, 99)) == 5 * len(DUR)
+
+
+def test_missing_trace(tmp_path: Path) -> None:
+    with pytest.raises(FlowError, match="has no trace.json"):
+        timeline(tmp_path, tmp_path / "t.png")
+    with pytest.raises(FlowError, match="no run directory"):
+        timeline(tmp_path / "nope", tmp_path / "t.png")
+
+
+def test_empty_trace(tmp_path: Path) -> None:
+    write_trace(tmp_path / "trace.json", trace_events([], ["controller"]))
+    with pytest.raises(FlowError, match="has no spans"):
+        timeline(tmp_path, tmp_path / "t.png")
+
+
+def test_bad_output_and_steps(graphs: Any, tmp_path: Path) -> None:
+    run = write_run(tmp_path / "run", graphs.grpo())
+    with pytest.raises(FlowError, match="must end in .png, .svg, .pdf"):
+        timeline(run, tmp_path / "t.jpg")
+    with pytest.raises(FlowError, match="--steps must be at least 1"):
+        timeline(run, tmp_path / "t.png", last_steps=0)
+
+
+def test_cli_timeline_verb(graphs: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run = write_run(tmp_path / "run", graphs.grpo())
+    out = tmp_path / "t.png"
+    assert flowrl.cli.main(["timeline", str(run), "-o", str(out), "--steps", "1"]) == 0
+    assert capsys.readouterr().out == f"wrote {out}\n" and out.stat().st_size > 0
