@@ -154,7 +154,8 @@ def _summary(graph: Graph, values: Mapping[str, Batch]) -> dict[str, float]:
 def _context(node: Node, flow_path: str, error: BaseException | None = None) -> Diagnostic:
     """'while executing old_logp = actor.logprobs(rollout)  # grpo.flow:14' plus the failing frame."""
     where = f"{node.loc.path}:{node.loc.line}"
-    message = f"while executing {node.text or node.id}  # {where}"
+    statement = " ".join((node.text or node.id).split())  # one line, alignment spaces folded
+    message = f"while executing {statement}  # {where}"
     hint = None
     if error is not None:
         message += f": {type(error).__name__}: {error}"
