@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 run: setup
-	$(BIN)/flowrl run examples/grpo_arith.flow --out runs/grpo_arith
+	$(BIN)/flowrl run examples/grpo_arith.flow --out runs/grpo_arith --overwrite
 
 lint: setup
 	$(BIN)/ruff check .

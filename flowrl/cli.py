@@ -65,6 +65,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="override MODEL.KEY, DATA.KEY, run.KEY or use.PARAM")
     c.add_argument("--out", default=None, metavar="DIR", help="run directory (default runs/<flow>)")
     c.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --out")
+    c.add_argument("--overwrite", action="store_true", help="replace a run already in --out")
     c.add_argument("--passes", help="comma-separated passes to run instead of the defaults")
     c.add_argument("--no-pass", action="append", default=[], metavar="NAME", help="switch a pass off")
     c.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -163,13 +164,11 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     graph = compile_file(args.file, args.set, args.passes, args.no_pass)
     out = Path(args.out or Path("runs") / graph.flow)
-    if args.resume and not (out / "checkpoints").exists():
-        raise FlowError(f"--resume: no checkpoints in {out}", )
     total = args.steps if args.steps is not None else int(graph.run.get("steps", 100))
     options = {"address": args.address, "log_dir": str(out / "ray")} if args.backend == "ray" else None
     with Progress(total, enabled=not args.quiet) as bar:
         result = run(graph, out_dir=out, backend=args.backend, steps=args.steps, seed=args.seed,
-                     resume=args.resume, device=args.device, on_step=bar.update, backend_options=options)
+                     resume=args.resume, overwrite=args.overwrite, device=args.device, on_step=bar.update, backend_options=options)
     last = result.metrics[-5:]
     if last:
         mean = sum(r.get("reward_mean", 0.0) for r in last) / len(last)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -72,12 +73,15 @@ def _loaders(graph: Graph, seed: int) -> dict[str, PromptLoader]:
 
 
 def run(graph: Graph, *, out_dir: str | Path, backend: str = "local", steps: int | None = None,
-        seed: int | None = None, resume: bool = False, device: str | None = None,
+        seed: int | None = None, resume: bool = False, overwrite: bool = False, device: str | None = None,
         on_step: Callable[[int, dict[str, Any]], None] | None = None,
         backend_options: dict[str, Any] | None = None) -> RunResult:
-    """Train `graph` for `steps` steps (default: `run { steps }`) and return the metrics of every step."""
+    """Train `graph` for `steps` steps (default: `run { steps }`) and return the metrics of every step.
+
+    A directory that already holds a run is continued with `resume=True` or replaced with `overwrite=True`;
+    otherwise it is an error, so an earlier run's checkpoints are never mixed up or lost."""
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    _claim(out, resume, overwrite)
     settings: dict[str, Any] = dict(graph.run)
     total = int(steps if steps is not None else settings.get("steps", 100))
     seed = int(seed if seed is not None else settings.get("seed", 0))
@@ -102,8 +106,6 @@ def run(graph: Graph, *, out_dir: str | Path, backend: str = "local", steps: int
             report.truncate_metrics(metrics_path, start)
             events = [e for e in report.load_trace(trace_path) if e.get("ph") == "X" and e["args"]["step"] <= start]
             t0 -= max((e["ts"] + e["dur"]) / 1e6 for e in events if e.get("ph") == "X") if events else 0.0
-        elif metrics_path.exists():
-            metrics_path.unlink()
         (out / "run.json").write_text(json.dumps({"flow": graph.path, "backend": backend, "seed": seed,
                                                   "steps": total, "device": dev}, indent=2), encoding="utf-8")
         ctl = Controller(graph, groups, loaders, rewards, seed=seed, clock_start=t0)
@@ -130,6 +132,22 @@ def run(graph: Graph, *, out_dir: str | Path, backend: str = "local", steps: int
     if metrics:
         report.plot_rewards(metrics, out / "reward.png", graph.flow)
     return RunResult(out, metrics, total)
+
+
+def _claim(out: Path, resume: bool, overwrite: bool) -> None:
+    has_run = last_checkpoint(out) is not None or (out / "metrics.jsonl").exists()
+    if resume and last_checkpoint(out) is None:
+        raise FlowError(Diagnostic(f"--resume: no checkpoints in {out}"))
+    if has_run and not resume:
+        if not overwrite:
+            raise FlowError(Diagnostic(f"{out} already holds a run",
+                                       hint="continue it with --resume, replace it with --overwrite, "
+                                            "or choose another --out"))
+        shutil.rmtree(out / CKPT_DIR, ignore_errors=True)
+        for name in ("metrics.jsonl", "trace.json", "reward.png"):
+            (out / name).unlink(missing_ok=True)
+        shutil.rmtree(out / "tb", ignore_errors=True)
+    out.mkdir(parents=True, exist_ok=True)
 
 
 def _save_checkpoint(out: Path, step: int, groups: dict[str, WorkerGroup], loaders: dict[str, PromptLoader]) -> None:

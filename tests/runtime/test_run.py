@@ -95,6 +95,17 @@ def test_resume_after_losing_later_steps(tmp_path: Path) -> None:
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]
 
 
+def test_existing_run_is_never_silently_replaced(tmp_path: Path) -> None:
+    graph = flowrl.load(str(write_flow(tmp_path)))
+    out = tmp_path / "once"
+    run(graph, out_dir=out, steps=2)
+    with pytest.raises(FlowError, match="already holds a run"):
+        run(graph, out_dir=out, steps=2)
+    again = run(graph, out_dir=out, steps=1, overwrite=True)
+    assert [r["step"] for r in again.metrics] == [1]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_000001.pt"]
+
+
 def test_cli_run_with_overrides(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     flow = write_flow(tmp_path)
     out = tmp_path / "cli"
