@@ -166,7 +166,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     out = Path(args.out or Path("runs") / graph.flow)
     total = args.steps if args.steps is not None else int(graph.run.get("steps", 100))
     options = {"address": args.address, "log_dir": str(out / "ray")} if args.backend == "ray" else None
-    with Progress(total, enabled=not args.quiet) as bar:
+    with Progress(total, enabled=not args.quiet, every=int(graph.run.get("log_every", 10) or 10)) as bar:
         result = run(graph, out_dir=out, backend=args.backend, steps=args.steps, seed=args.seed,
                      resume=args.resume, overwrite=args.overwrite, device=args.device, on_step=bar.update, backend_options=options)
     last = result.metrics[-5:]

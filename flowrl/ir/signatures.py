@@ -175,7 +175,5 @@ RUN_KEYS: dict[str, tuple[str, Value]] = {
     "seed": ("int", 0),
     "checkpoint_every": ("int", 0),  # 0 = only at the end
     "device": ("str", "auto"),  # auto | cpu | cuda
-    "log_every": ("int", 1),
-    "sft_warmup_steps": ("int", 0),  # supervised steps on the data's `answer` field before RL
-    "sft_lr": ("float", 1e-3),
+    "log_every": ("int", 10),  # steps between progress lines when stderr is not a terminal
 }

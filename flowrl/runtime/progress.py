@@ -8,10 +8,10 @@ from typing import Any
 
 
 class Progress:
-    """A rich progress bar on a terminal; one plain line every 10 steps otherwise (CI logs stay short)."""
+    """A rich progress bar on a terminal; one plain line every `every` steps otherwise (CI logs stay short)."""
 
-    def __init__(self, total: int, enabled: bool = True):
-        self.total, self.enabled = total, enabled
+    def __init__(self, total: int, enabled: bool = True, every: int = 10):
+        self.total, self.enabled, self.every = total, enabled, max(1, every)
         self._bar: Any = None
         self._task: Any = None
 
@@ -33,7 +33,7 @@ class Progress:
         reward, tps = float(row.get("reward_mean", 0.0)), float(row.get("tokens_per_s", 0.0))
         if self._bar is not None:
             self._bar.update(self._task, completed=step, reward=reward, tps=tps)
-        elif self.enabled and (step % 10 == 0 or step == self.total or step == 1):
+        elif self.enabled and (step % self.every == 0 or step == self.total or step == 1):
             print(f"step {step}/{self.total}  reward {reward:.3f}  {tps:.0f} tok/s  "
                   f"{row.get('step_time_s', 0.0):.2f} s/step", file=sys.stderr, flush=True)
 

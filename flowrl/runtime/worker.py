@@ -147,6 +147,7 @@ class ModelWorker:
         are scaled by the whole mini-batch's denominators, so the update does not depend on the split."""
         role = self.decls[model].role
         engine = self.trainers[model]
+        self._warm_up_lr(model)
         module = self.models[model].module
         epochs, parts = int(attrs.get("epochs", 1)), max(1, int(attrs.get("mini_batches", 1)))
         micro = int(attrs.get("micro_batch", 0))
@@ -165,6 +166,15 @@ class ModelWorker:
                     sums[k] = sums.get(k, 0.0) + float(v)
                 count += 1
         return {k: v / max(count, 1) for k, v in sums.items()}
+
+    def _warm_up_lr(self, model: str) -> None:
+        """Linear LR warm-up over the model's first `warmup_steps` optimizer steps."""
+        options: Mapping[str, Any] = self.decls[model].options
+        warmup = int(options.get("warmup_steps", 0) or 0)
+        if warmup > 0:
+            base = float(self.decls[model].lr if self.decls[model].lr is not None else 1e-5)
+            engine = self.trainers[model]
+            engine.set_lr(base * min(1.0, (engine.steps + 1) / warmup))
 
     def _policy_loss(self, module: torch.nn.Module, mb: Batch, *, attrs: Mapping[str, Any],
                      denoms: Mapping[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:

@@ -97,8 +97,7 @@ def test_declarations(compile_ok: Compile, in_flows: Path) -> None:
     assert [(r.name, r.target, r.batched) for r in g.rewards] == [("correct", "arith_exact", False)]
     assert [d.name for d in g.data] == ["prompts", "unused"]
     assert g.data[0].path == str(in_flows / "data" / "arith.jsonl") and g.data[0].options["batch"] == 4
-    assert dict(g.run) == {"steps": 100, "seed": 0, "checkpoint_every": 0, "device": "auto", "log_every": 1,
-                           "sft_warmup_steps": 0, "sft_lr": 1e-3}
+    assert dict(g.run) == {"steps": 100, "seed": 0, "checkpoint_every": 0, "device": "auto", "log_every": 10}
     assert g.flow == "t" and g.template is None and g.nodes == ()
 
 

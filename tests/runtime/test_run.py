@@ -172,3 +172,10 @@ def test_hf_checkpoint_source_runs(tmp_path: Path) -> None:
     res = run(flowrl.load(str(flow)), out_dir=tmp_path / "out", steps=2)
     assert res.metrics[-1]["gen_tokens"] > 0
     shutil.rmtree(ckpt)
+
+
+def test_lr_warmup_ramps_linearly(tmp_path: Path) -> None:
+    flow = write_flow(tmp_path)
+    graph = flowrl.load(str(flow), overrides={"actor.warmup_steps": "4"})
+    lrs = [r["actor/lr"] for r in run(graph, out_dir=tmp_path / "out").metrics]
+    assert lrs == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3])
