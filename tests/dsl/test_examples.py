@@ -15,6 +15,7 @@ from flowrl.ir.graph import Graph
 FLOWS = Path(__file__).parent / "flows"
 GOLDEN = Path(__file__).parent.parent / "golden"
 EXAMPLES = sorted(FLOWS.glob("*.flow"))
+SHIPPED = sorted((Path(__file__).parents[2] / "examples").glob("*.flow"))  # the project's runnable examples
 
 # A flow around a standard template: every required parameter binds to the declaration of its name.
 STDLIB_FLOW = """\
@@ -46,6 +47,13 @@ def test_example_compiles(path: Path, update_golden: bool) -> None:
     graph = flowrl.dsl.load(path)
     assert verify(graph) is graph
     check_golden(path.stem, graph, update_golden)
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
+def test_shipped_example_compiles(path: Path, update_golden: bool) -> None:
+    graph = flowrl.dsl.load(path)
+    assert verify(graph) is graph
+    check_golden(f"example_{path.stem}", graph, update_golden)
 
 
 @pytest.mark.parametrize("name", flowrl.dsl.stdlib_names())
