@@ -6,6 +6,7 @@ checkpoints as it goes (so an interrupted run loses at most `checkpoint_every` s
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import shutil
@@ -43,10 +44,10 @@ def make_backend(name: str, **options: Any) -> Backend:
         return LocalBackend()
     if name == "ray":
         try:
-            from flowrl.backends.ray import RayBackend  # type: ignore[attr-defined]
+            module = importlib.import_module("flowrl.backends.ray")
         except ImportError as e:
             raise FlowError(Diagnostic(f"the ray backend needs Ray: {e}", hint="pip install 'flowrl[ray]'")) from None
-        backend: Backend = RayBackend(**options)
+        backend: Backend = module.RayBackend(**options)
         return backend
     raise FlowError(Diagnostic(f"unknown backend '{name}'", hint="use --backend local or --backend ray"))
 
