@@ -160,6 +160,8 @@ MODEL_KEYS: dict[str, tuple[str, Value]] = {
     "charset": ("str", None),  # tiny models: a character tokenizer over these characters (default: bytes)
     "dropout": ("float", 0.0),
     "warmup_steps": ("int", 0),  # linear LR warm-up
+    "zero_stage": ("int", 0),  # engine = "deepspeed": ZeRO stage 0-3
+    "offload": ("bool", False),  # engine = "deepspeed": ZeRO optimizer offload to CPU
 }
 ENGINES = ("torch", "vllm", "deepspeed")
 
