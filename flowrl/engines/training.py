@@ -4,6 +4,11 @@ One `step` is one optimizer update on one mini-batch: the loss function is calle
 responsible for scaling, so that the micro-batch losses sum to the mini-batch loss (the engine never divides).
 Gradients are clipped by global norm before the update; a non-finite norm skips the update (verl does the same)
 rather than writing NaNs into the weights.
+
+Data parallel (the ray backend's SPMD ranks): when `torch.distributed` is initialised with more than one rank,
+gradients are SUM-all-reduced before clipping. The loss function must then scale by the denominators of the
+global mini-batch (`all_reduce_sum` gives them), so the summed gradient equals the one-rank gradient.
+With one rank nothing of this runs and the update is bit-identical to the plain path.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from typing import Any, TypeVar
 import torch
 from torch import Tensor, nn
 
-__all__ = ["LossFn", "TrainEngine"]
+__all__ = ["LossFn", "TrainEngine", "all_reduce_sum", "data_parallel_world"]
 
 MB = TypeVar("MB")
 LossFn = Callable[[MB], tuple[Tensor, dict[str, float]]]
@@ -64,6 +69,8 @@ class TrainEngine:
             total_loss += float(loss.detach())
             for key, value in metrics.items():
                 sums[key] = sums.get(key, 0.0) + float(value)
+        if data_parallel_world() > 1:
+            self._all_reduce_grads()
         # clip_grad_norm_ with an infinite bound only measures the norm.
         bound = self.max_grad_norm if self.max_grad_norm and self.max_grad_norm > 0 else math.inf
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, bound))
@@ -76,6 +83,21 @@ class TrainEngine:
         out.update(loss=total_loss, grad_norm=grad_norm, lr=self.lr, skipped=float(skipped))
         return out
 
+    # ---- data parallel (only with torch.distributed initialised and world > 1) ----------------------
+    def _all_reduce_grads(self) -> None:
+        """Sum gradients over ranks in one flat buffer (a missing grad counts as zeros, so every rank sends
+        the same layout). Every rank then clips the same norm and takes the same optimizer step."""
+        import torch.distributed as dist
+
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        offset = 0
+        for p in self.params:
+            n = p.numel()
+            p.grad = flat[offset:offset + n].view_as(p)
+            offset += n
+
     def state_dict(self) -> dict[str, Any]:
         """Module weights, optimizer moments and the step count (everything a checkpoint needs)."""
         return {"module": self.module.state_dict(), "optimizer": self.optimizer.state_dict(), "steps": self.steps}
@@ -84,3 +106,22 @@ class TrainEngine:
         self.module.load_state_dict(state["module"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.steps = int(state.get("steps", 0))
+
+
+# ---- data parallel helpers -------------------------------------------------------------------------
+def data_parallel_world() -> int:
+    """Ranks in the default process group; 1 when torch.distributed is not initialised (local backend)."""
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def all_reduce_sum(values: Sequence[float], device: torch.device | str = "cpu") -> list[float]:
+    """`values` summed over the ranks of the default process group (unchanged with one rank)."""
+    if data_parallel_world() <= 1:
+        return [float(v) for v in values]
+    import torch.distributed as dist
+
+    t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return [float(v) for v in t.tolist()]

@@ -109,7 +109,8 @@ def run(graph: Graph, *, out_dir: str | Path, backend: str = "local", steps: int
             t0 -= max((e["ts"] + e["dur"]) / 1e6 for e in events if e.get("ph") == "X") if events else 0.0
         (out / "run.json").write_text(json.dumps({"flow": graph.path, "backend": backend, "seed": seed,
                                                   "steps": total, "device": dev}, indent=2), encoding="utf-8")
-        ctl = Controller(graph, groups, loaders, rewards, seed=seed, clock_start=t0)
+        ctl = Controller(graph, groups, loaders, rewards, seed=seed, clock_start=t0,
+                         after_update=getattr(be, "after_update", None))
         tb = report.TensorBoard(out / "tb")
         group_names = ["controller", *[w.name for w in graph.worker_groups]]
         spans: list[Span] = []

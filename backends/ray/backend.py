@@ -1,0 +1,106 @@
+"""`RayBackend`: each worker group of the compiled graph becomes N Ray actors in a placement group.
+
+`start` sizes the groups (`cluster.group_specs`), reserves one placement group per worker group, starts every
+rank at once and waits for all of them; `after_update` is the controller's hook for split placement's weight
+sync; `shutdown` stops the actors, frees the placement groups and stops Ray if it was started here. It is safe
+to call `shutdown` at any point (after Ctrl-C, after an error, twice).
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Mapping
+from pathlib import Path
+
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+
+from flowrl.backends.ray.cluster import Session, group_specs
+from flowrl.backends.ray.group import GroupSpec, RankLost, RayWorkerGroup, WorkerLostError
+from flowrl.backends.ray.sync import WeightSync
+from flowrl.errors import Diagnostic, FlowError
+from flowrl.ir.graph import Graph
+from flowrl.runtime.protocol import WorkerGroup
+
+log = logging.getLogger("flowrl.ray")
+
+
+class RayBackend:
+    """`address`: a cluster to join (default: `RAY_ADDRESS`, else start a local instance, or reuse the one this
+    process already started). `log_dir`: where Ray's logs go (the run directory's `ray/`). `num_cpus`: CPUs of a
+    local instance (default: all). `snapshot_every`: state-changing calls (updates, weight loads) between two
+    snapshots of a group's weights for restarting dead ranks (1: after every update). `crash_on_call`:
+    test-only fault injection, `{group: {rank: n}}` makes that rank's first process exit at its n-th model call."""
+
+    name = "ray"
+
+    def __init__(self, address: str | None = None, log_dir: str | Path | None = None, *,
+                 num_cpus: int | None = None, start_timeout_s: float = 120.0, snapshot_every: int = 10,
+                 crash_on_call: Mapping[str, Mapping[int, int]] | None = None):
+        self.session = Session(address, log_dir, num_cpus)
+        self.start_timeout_s = start_timeout_s
+        self.crash_on_call = crash_on_call
+        self.snapshot_every = snapshot_every
+        self.groups: dict[str, RayWorkerGroup] = {}
+        self.sync: WeightSync | None = None
+        self._pgs: list[PlacementGroup] = []
+
+    def start(self, graph: Graph, *, seed: int, device: str) -> dict[str, WorkerGroup]:
+        self.session.open()
+        specs = group_specs(graph, seed=seed, device=device, resources=ray.available_resources(),
+                            crash_on_call=self.crash_on_call, snapshot_every=self.snapshot_every)
+        holders: dict[str, list[str]] = {}
+        for wg in graph.worker_groups:
+            for m in wg.models:
+                holders.setdefault(m, []).append(wg.name)
+        self.sync = WeightSync(holders)
+        pgs = {s.name: self._reserve(s) for s in specs}
+        self._await_placement(specs, pgs)
+        for s in specs:  # every rank of every group starts at once; then wait for them all
+            self.groups[s.name] = RayWorkerGroup(s, pgs[s.name], self.sync)
+        self.sync.groups = self.groups
+        for g in self.groups.values():
+            try:
+                g.setup()
+            except RankLost as e:
+                raise WorkerLostError(f"worker group {g.name} failed to start: {e}") from None
+        return dict(self.groups)
+
+    def after_update(self, model: str, group: str) -> float:
+        """Called by the controller after `model.update` ran in `group`: seconds spent sending the new weights to
+        the other groups that hold `model` (split placement); 0.0 when none does (colocated: already in place)."""
+        if self.sync is None or not self.sync.shared(model):
+            return 0.0
+        return self.sync.push(model)
+
+    def shutdown(self) -> None:
+        for g in self.groups.values():
+            g.kill()
+        self.groups = {}
+        for pg in self._pgs:
+            try:
+                remove_placement_group(pg)
+            except Exception:  # Ray already stopping: the placement group goes with it
+                pass
+        self._pgs = []
+        self.session.close()
+
+    # ---- placement groups ---------------------------------------------------------------------------
+    def _reserve(self, spec: GroupSpec) -> PlacementGroup:
+        pg = placement_group([dict(spec.bundle) for _ in range(spec.world)], strategy="PACK",
+                             name=f"flowrl-{spec.name}-{uuid.uuid4().hex[:8]}")
+        self._pgs.append(pg)
+        return pg
+
+    def _await_placement(self, specs: list[GroupSpec], pgs: Mapping[str, PlacementGroup]) -> None:
+        refs = [pgs[s.name].ready() for s in specs]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.start_timeout_s)
+        if len(ready) == len(refs):
+            return
+        waiting = [s for s, r in zip(specs, refs, strict=True) if r not in ready]
+        asked = "; ".join(f"{s.name}: {s.world} x {dict(s.bundle)}" for s in waiting)
+        raise FlowError(Diagnostic(
+            f"the Ray cluster cannot place worker group(s) {asked} within {self.start_timeout_s:.0f}s "
+            f"(free: {ray.available_resources()})",
+            hint="lower `replicas` or `gpus` in the flow, or join a bigger cluster (--address)"))

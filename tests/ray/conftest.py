@@ -1,0 +1,103 @@
+"""Fixtures for the ray backend tests: ONE Ray instance for the whole session, tiny flows, a step driver."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import flowrl
+from flowrl.ir.graph import Graph
+
+DATA = Path(__file__).resolve().parents[2] / "examples" / "data" / "arith.jsonl"
+TIMES = ("step_time_s", "tokens_per_s")
+
+
+@pytest.fixture(scope="session")
+def ray_session() -> Iterator[Any]:
+    """A local Ray instance shared by every ray test; the backend reuses it instead of starting its own."""
+    ray = pytest.importorskip("ray")
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING,
+                 namespace="flowrl-tests")
+    yield ray
+    if started:
+        ray.shutdown()
+
+
+def _flow_text(*, algo: str = "grpo", replicas: int = 1, placement: str = "", batch: int = 4, steps: int = 3,
+               seed: int = 1, max_tokens: int = 2, context: int = 512) -> str:
+    """A tiny GRPO or PPO flow (1 layer, dim 32) on the arithmetic data."""
+    rep = f", replicas = {replicas}" if replicas != 1 else ""
+    critic = f"model critic : critic {{ source = actor, lr = 1e-3{rep} }}\n" if algo == "ppo" else ""
+    use = (f"use grpo(reward = correct, group = 4, max_tokens = {max_tokens}, kl_coef = 0.05)" if algo == "grpo"
+           else f"use ppo(reward = correct, n = 4, max_tokens = {max_tokens}, kl_coef = 0.05)")
+    return (f"flow tiny_{algo}\n"
+            f'model actor : policy {{ source = "tiny:gpt2", layers = 1, dim = 32, heads = 2, context = {context}, '
+            f'charset = "0123456789+=", lr = 1e-3{rep} }}\n'
+            f"model ref : reference {{ source = actor{rep} }}\n{critic}"
+            f'reward correct = "flowrl.rewards.arith_exact"\n'
+            f'data prompts = jsonl("{DATA}") {{ batch = {batch}, shuffle = true }}\n'
+            f"{use}\n{placement}\n"
+            f"run {{ steps = {steps}, seed = {seed} }}\n")
+
+
+@pytest.fixture(scope="session")
+def flow_text() -> Callable[..., str]:
+    return _flow_text
+
+
+@pytest.fixture(scope="session")
+def tiny() -> Callable[..., Graph]:
+    def make(**kw: Any) -> Graph:
+        return flowrl.compile_flow(_flow_text(**kw), f"/flows/tiny_{kw.get('algo', 'grpo')}.flow")
+    return make
+
+
+def _same_metrics(a: list[dict[str, Any]], b: list[dict[str, Any]], tol: float = 1e-5) -> None:
+    """Every metric of every step equal within `tol`, times aside (sync times exist on one side only)."""
+    assert len(a) == len(b) > 0
+    for ra, rb in zip(a, b, strict=True):
+        keys = {k for k in ra if not k.startswith("time/") and k not in TIMES}
+        assert keys == {k for k in rb if not k.startswith("time/") and k not in TIMES}
+        for k in sorted(keys):
+            assert abs(float(ra[k]) - float(rb[k])) <= tol, (ra["step"], k, ra[k], rb[k])
+
+
+@pytest.fixture(scope="session")
+def same_metrics() -> Callable[..., None]:
+    return _same_metrics
+
+
+@pytest.fixture(scope="session")
+def local_metrics(tiny: Callable[..., Graph], tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Any]:
+    """The local backend's metrics for `tiny(**kw)`, run once per session (the reference the ray runs match).
+    Placement does not change them: the local backend shares a model placed in two groups."""
+    from flowrl.runtime.runner import run
+
+    cache: dict[str, list[dict[str, Any]]] = {}
+
+    def metrics(**kw: Any) -> list[dict[str, Any]]:
+        key = _flow_text(**kw)
+        if key not in cache:
+            cache[key] = run(tiny(**kw), out_dir=tmp_path_factory.mktemp("local"), backend="local").metrics
+        return cache[key]
+    return metrics
+
+
+@pytest.fixture
+def use_backend(monkeypatch: pytest.MonkeyPatch) -> Callable[[Any], None]:
+    """Make `runner.run(..., backend="ray")` use this RayBackend instance (to look into it during the run)."""
+    from flowrl.runtime import runner
+
+    real = runner.make_backend
+
+    def install(backend: Any) -> None:
+        monkeypatch.setattr(runner, "make_backend", lambda name, **kw: backend if name == "ray" else real(name, **kw))
+    return install

@@ -1,0 +1,95 @@
+"""The ray backend end to end: the same metrics as the local backend, clean worker errors, the CLI."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from flowrl.errors import ExecutionError
+from flowrl.ir.graph import Graph
+from flowrl.runtime.runner import run
+
+pytestmark = [pytest.mark.ray, pytest.mark.usefixtures("ray_session")]
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("algo", ["grpo", "ppo"])
+def test_one_rank_per_group_gives_the_local_metrics(algo: str, tiny: Callable[..., Graph], tmp_path: Path,
+                                                     local_metrics: Callable[..., Any],
+                                                     same_metrics: Callable[..., None]) -> None:
+    steps = 3 if algo == "grpo" else 2
+    remote = run(tiny(algo=algo, steps=steps), out_dir=tmp_path, backend="ray")
+    same_metrics(local_metrics(algo=algo, steps=steps), remote.metrics)
+    assert (tmp_path / "checkpoints" / f"step_{steps:06d}.pt").exists()  # state_dict came back from the ranks
+
+
+def test_a_worker_exception_reaches_the_user_as_itself_with_the_worker_traceback(
+        tiny: Callable[..., Graph], tmp_path: Path) -> None:
+    bad = tiny(steps=1, context=4, max_tokens=8)  # positions past `context` fail inside the worker's model
+    with pytest.raises(ExecutionError) as info:
+        run(bad, out_dir=tmp_path, backend="ray")
+    text = str(info.value)
+    assert "while executing rollout = actor.generate(" in text
+    assert "IndexError: index out of range in self" in text
+    assert "--- in worker group colocated, rank 0, generate ---" in text
+    assert 'flowrl/runtime/worker.py", line' in text  # the worker's own frames
+    assert "RayTaskError" not in text and "ray/_private" not in text
+    assert isinstance(info.value.__cause__, IndexError)
+
+
+def _cli(args: list[str], **kw: Any) -> subprocess.Popen[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}  # as a user's shell would be
+    return subprocess.Popen([sys.executable, "-m", "flowrl", "run", *args], cwd=ROOT, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kw)
+
+
+def test_cli_starts_a_local_ray_with_logs_in_the_run_directory_and_stops_on_ctrl_c(
+        flow_text: Callable[..., str], tmp_path: Path) -> None:
+    flow = tmp_path / "tiny.flow"
+    flow.write_text(flow_text(steps=50), encoding="utf-8")
+    out = tmp_path / "run"
+    proc = _cli([str(flow), "--backend", "ray", "--out", str(out), "--quiet"], start_new_session=True)
+    metrics = out / "metrics.jsonl"
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline and proc.poll() is None:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 2:
+            break
+        time.sleep(0.2)
+    assert proc.poll() is None, proc.communicate()
+    os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C reaches the whole foreground process group
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130, stderr
+    assert "interrupted" in stderr
+    assert "ray" not in stderr.lower().replace("--backend ray", ""), stderr  # Ray's logs are not on the terminal
+    (logs,) = (out / "ray").glob("session_*")  # the Ray session's logs, copied from Ray's temp dir at exit
+    assert logs.is_dir() and not logs.is_symlink() and (logs / "raylet.out").exists()
+    assert (out / "ray" / "driver.log").exists()
+    assert not _processes_mentioning(logs.name)  # the instance's raylet, GCS and workers are gone
+
+
+def _processes_mentioning(text: str) -> list[str]:
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            line = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:  # the process ended while we looked
+            continue
+        if text in line:
+            found.append(line)
+    return found
+
+
+def test_a_wrong_cluster_address_is_a_clear_error_not_minutes_of_retries() -> None:
+    from flowrl.backends.ray.cluster import Session
+    from flowrl.errors import FlowError
+
+    with pytest.raises(FlowError, match=r"cannot join the Ray cluster at 127\.0\.0\.1:1: nothing answers there"):
+        Session(address="127.0.0.1:1")._join({})
