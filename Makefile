@@ -3,7 +3,7 @@ PY      ?= python3
 VENV    ?= .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.flowrl-installed
-EXTRAS  ?= dev,ray
+EXTRAS  ?= dev,ray,deepspeed
 # torch is pinned by constraints.txt so a CPU machine never pulls the CUDA build (see README).
 PIP     := $(BIN)/pip install -q -c constraints.txt
 
@@ -32,8 +32,13 @@ typecheck: setup
 test: lint typecheck
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
+# TRL lives in its own venv (bench/.venv-trl, gitignored), never in .venv; created on first use.
 bench: setup
-	$(BIN)/python bench/run_all.py
+	test -x bench/.venv-trl/bin/python || $(PY) -m venv bench/.venv-trl
+	test -f bench/.venv-trl/.trl-installed || { bench/.venv-trl/bin/pip install -q -c constraints.txt torch==2.13.0 \
+	  && bench/.venv-trl/bin/pip install -q -c constraints.txt trl==1.16.0 -e . && touch bench/.venv-trl/.trl-installed; }
+	$(BIN)/python bench/gen_speed.py
+	$(BIN)/python bench/grpo_vs_trl.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .mypy_cache .ruff_cache

@@ -6,7 +6,7 @@ for the Ray backend — so both backends run the same model code.
 from __future__ import annotations
 
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from functools import partial
 from typing import Any
 
@@ -14,10 +14,15 @@ import torch
 
 from flowrl.algos import aggregate, kl, ppo_clip_loss, value_loss
 from flowrl.engines.generation import forward_logprobs, forward_logprobs_entropy, forward_values, generate
-from flowrl.engines.training import TrainEngine
+from flowrl.engines.prefix import shared_logprobs, shared_values
+from flowrl.engines.select import Trainer, check_engine, forward_module, make_trainer
+from flowrl.engines.streaming import StreamControl, Tail, generate_stream, resume_stream
+from flowrl.engines.training import all_reduce_sum, data_parallel_world
 from flowrl.ir.graph import ModelDecl
 from flowrl.models.build import LoadedModel, ModelSpec, build_model, copy_backbone
 from flowrl.runtime.batch import Batch
+from flowrl.runtime.schedule import Turn, interleave, taking_turns
+from flowrl.runtime.streaming import chunk_batches, chunk_of, sampling_of
 
 ROLLOUT_KEYS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "temperature")
 
@@ -67,20 +72,28 @@ class ModelWorker:
         decls = {m.name: m for m in all_models}
         self.decls = {m.name: m for m in models}
         self.models: dict[str, LoadedModel] = {}
-        self.trainers: dict[str, TrainEngine] = {}
+        self.trainers: dict[str, Trainer] = {}
+        self.generators: dict[str, Any] = {}  # model -> VLLMGenerator, for engine = "vllm"
         for m in models:
+            options: Mapping[str, Any] = m.options
+            check_engine(m.engine, m.role, model=m.name, trainable=m.trainable, source=m.source,
+                         device=str(self.device), options=options, loc=m.loc)
             loaded = init_model(m, decls, seed)
             loaded.module.to(self.device)
             self.models[m.name] = loaded
-            options: Mapping[str, Any] = m.options
             if m.trainable:
                 # Modules stay in eval mode: dropout off, as RLHF trainers run (old and new log-probs must agree).
-                self.trainers[m.name] = TrainEngine(
-                    loaded.module, lr=float(m.lr if m.lr is not None else 1e-5),
-                    weight_decay=float(options.get("weight_decay", 0.0) or 0.0),
+                self.trainers[m.name] = make_trainer(
+                    m.engine, loaded.module, lr=float(m.lr if m.lr is not None else 1e-5),
+                    weight_decay=float(options.get("weight_decay", 0.0) or 0.0), options=options,
                 )
             else:
                 loaded.module.requires_grad_(False)
+            if m.engine == "vllm":
+                from flowrl.engines.vllm_engine import VLLMGenerator
+
+                self.generators[m.name] = VLLMGenerator(m.source, loaded.tokenizer, seed=model_seed(seed, m.name),
+                                                        dtype=str(options.get("dtype", "float32")))
 
     # ---- inference methods -------------------------------------------------------------------------
     def generate(self, model: str, prompts: Batch, attrs: Mapping[str, Any], *, step_seed: int) -> Batch:
@@ -88,20 +101,19 @@ class ModelWorker:
         tok = loaded.tokenizer
         n = int(attrs.get("n", 1))
         max_tokens = int(attrs.get("max_tokens", 256))
-        config: Mapping[str, Any] = self.decls[model].config
-        context = int(config.get("context", 512) or 512)
-        ids = []
-        for text in prompts.meta["prompt"]:
-            row = tok.encode(text)
-            if tok.bos_id is not None:
-                row = [tok.bos_id, *row]
-            ids.append(row[-max(1, context - max_tokens):])  # keep the prompt's end if it is too long
+        ids = self._prompt_ids(model, prompts, max_tokens)
         gen = torch.Generator(device="cpu").manual_seed(step_seed)
-        out = generate(
-            loaded.module, tok, ids, n=n, max_tokens=max_tokens, min_tokens=int(attrs.get("min_tokens", 0)),
-            temperature=float(attrs.get("temperature", 1.0)), top_p=float(attrs.get("top_p", 1.0)),
-            generator=gen, share_prefix=bool(attrs.get("share_prefix", True)), device=str(self.device),
-        )
+        if model in self.generators:  # engine = "vllm"
+            out = self.generators[model].generate(
+                ids, n=n, max_tokens=max_tokens, min_tokens=int(attrs.get("min_tokens", 0)),
+                temperature=float(attrs.get("temperature", 1.0)), top_p=float(attrs.get("top_p", 1.0)),
+                seed=step_seed)
+        else:
+            out = generate(
+                loaded.module, tok, ids, n=n, max_tokens=max_tokens, min_tokens=int(attrs.get("min_tokens", 0)),
+                temperature=float(attrs.get("temperature", 1.0)), top_p=float(attrs.get("top_p", 1.0)),
+                generator=gen, share_prefix=bool(attrs.get("share_prefix", False)), device=str(self.device),
+            )
         index = out.prompt_index.cpu()
         responses = [tok.decode([int(t) for t, m in zip(r, mk, strict=True) if m]) for r, mk in
                      zip(out.response_ids.tolist(), out.response_mask.tolist(), strict=True)]
@@ -118,20 +130,65 @@ class ModelWorker:
         meta["response"] = responses
         return Batch(size, tensors, meta, primary="response_ids")
 
+    def _prompt_ids(self, model: str, prompts: Batch, max_tokens: int) -> list[list[int]]:
+        tok = self.models[model].tokenizer
+        config: Mapping[str, Any] = self.decls[model].config
+        context = int(config.get("context", 512) or 512)
+        ids = []
+        for text in prompts.meta["prompt"]:
+            row = tok.encode(text)
+            if tok.bos_id is not None:
+                row = [tok.bos_id, *row]
+            ids.append(row[-max(1, context - max_tokens):])  # keep the prompt's end if it is too long
+        return ids
+
+    # fuse-gen-inference: generation as a stream of finished-sample chunks (flowrl.runtime.streaming)
+    def generate_stream(self, model: str, prompts: Batch, attrs: Mapping[str, Any], *, step_seed: int,
+                        first_prompt: int = 0, control: StreamControl | None = None) -> Iterator[Batch | Tail]:
+        """`generate`'s samples (same seed, same samples), handed over in chunks as they finish."""
+        loaded, n = self.models[model], int(attrs.get("n", 1))
+        ids = self._prompt_ids(model, prompts, int(attrs.get("max_tokens", 256)))
+        stream = generate_stream(loaded.module, loaded.tokenizer, ids, n=n, sampling=sampling_of(attrs),
+                                 generator=torch.Generator(device="cpu").manual_seed(step_seed),
+                                 chunk=chunk_of(attrs), share_prefix=bool(attrs.get("share_prefix", False)),
+                                 first_sample=first_prompt * n, control=control, device=str(self.device))
+        return chunk_batches(stream, loaded.tokenizer, n, attrs)
+
+    def resume_stream(self, model: str, tails: Sequence[Tail], attrs: Mapping[str, Any], *,
+                      control: StreamControl | None = None) -> Iterator[Batch | Tail]:
+        """Continue unfinished rows migrated from other ranks (the long tail) as one batch."""
+        loaded = self.models[model]
+        stream = resume_stream(loaded.module, loaded.tokenizer, tails, sampling=sampling_of(attrs),
+                               chunk=chunk_of(attrs), control=control, device=str(self.device))
+        return chunk_batches(stream, loaded.tokenizer, int(attrs.get("n", 1)), attrs)
+
     def _inputs(self, rollout: Batch) -> tuple[torch.Tensor, ...]:
         d = self.device
         return tuple(rollout[k].to(d) for k in ("prompt_ids", "prompt_mask", "response_ids", "response_mask"))
 
     def logprobs(self, model: str, rollout: Batch, attrs: Mapping[str, Any]) -> Batch:
         temp = float(rollout["temperature"][0]) if "temperature" in rollout.tensors else 1.0
-        logp = forward_logprobs(self.models[model].module, *self._inputs(rollout), temperature=_safe_temp(temp),
-                                micro_batch=int(attrs.get("micro_batch", 0)))
+        module, micro = self.models[model].module, int(attrs.get("micro_batch", 0))
+        logp = None
+        if attrs.get("share_prefix"):  # the share-prefix pass: each prompt prefix runs once (engines/prefix.py)
+            logp = shared_logprobs(module, *self._inputs(rollout), temperature=_safe_temp(temp), micro_batch=micro,
+                                   min_len=int(attrs.get("prefix_min_len", 16)), pad=self._pad(model))
+        if logp is None:
+            logp = forward_logprobs(module, *self._inputs(rollout), temperature=_safe_temp(temp), micro_batch=micro)
         return rollout.derive("logp", logp=logp.cpu())
 
     def values(self, model: str, rollout: Batch, attrs: Mapping[str, Any]) -> Batch:
-        values = forward_values(self.models[model].module, *self._inputs(rollout),
-                                micro_batch=int(attrs.get("micro_batch", 0)))
+        module, micro = self.models[model].module, int(attrs.get("micro_batch", 0))
+        values = None
+        if attrs.get("share_prefix"):  # the share-prefix pass (engines/prefix.py)
+            values = shared_values(module, *self._inputs(rollout), micro_batch=micro,
+                                   min_len=int(attrs.get("prefix_min_len", 16)), pad=self._pad(model))
+        if values is None:
+            values = forward_values(module, *self._inputs(rollout), micro_batch=micro)
         return rollout.derive("values", values=values.cpu())
+
+    def _pad(self, model: str) -> int:
+        return int(self.models[model].tokenizer.pad_id)
 
     def score(self, model: str, rollout: Batch, attrs: Mapping[str, Any]) -> Batch:
         """Reward-model score: the value head at each sample's last response token."""
@@ -142,13 +199,14 @@ class ModelWorker:
         return rollout.derive("scores", scores=scores)
 
     # ---- training ----------------------------------------------------------------------------------
-    def update(self, model: str, batch: Batch, attrs: Mapping[str, Any], *, step_seed: int) -> dict[str, float]:
+    def update(self, model: str, batch: Batch, attrs: Mapping[str, Any], *, step_seed: int,
+               turn: Turn | None = None) -> dict[str, float]:
         """Epochs x mini-batches of optimizer steps; each mini-batch is split into micro-batches whose losses
         are scaled by the whole mini-batch's denominators, so the update does not depend on the split."""
         role = self.decls[model].role
         engine = self.trainers[model]
         self._warm_up_lr(model)
-        module = self.models[model].module
+        module = forward_module(engine)  # DeepSpeed's wrapper when engine = "deepspeed"
         epochs, parts = int(attrs.get("epochs", 1)), max(1, int(attrs.get("mini_batches", 1)))
         micro = int(attrs.get("micro_batch", 0))
         gen = torch.Generator().manual_seed(step_seed)
@@ -160,21 +218,42 @@ class ModelWorker:
             for mini in shuffled.split(parts):
                 denoms = {"num_tokens": float(mini["response_mask"].sum()), "num_seqs": mini.size,
                           "horizon": int(mini["response_mask"].shape[1])}
+                if data_parallel_world() > 1:  # ray backend, data parallel: the global mini-batch's denominators
+                    tokens, seqs = all_reduce_sum([denoms["num_tokens"], denoms["num_seqs"]], self.device)
+                    denoms.update(num_tokens=tokens, num_seqs=int(seqs))
                 loss = self._critic_loss if role == "critic" else self._policy_loss
-                metrics = engine.step(mini.chunks(micro), partial(loss, module, attrs=attrs, denoms=denoms))
+                step_loss: Callable[[Batch], Any] = partial(loss, module, attrs=attrs, denoms=denoms)
+                if turn is not None:  # fuse-train: wait for this model's turn before each micro-batch
+                    step_loss = taking_turns(step_loss, turn, model)
+                metrics = engine.step(mini.chunks(micro), step_loss)
                 for k, v in metrics.items():
                     sums[k] = sums.get(k, 0.0) + float(v)
                 count += 1
+        if model in self.generators:  # vLLM holds its own copy of the weights: push the new ones
+            self.generators[model].load_weights(self.models[model].module.state_dict())
         return {k: v / max(count, 1) for k, v in sums.items()}
+
+    def update_fused(self, models: Sequence[str], batches: Sequence[Batch], attrs: Sequence[Mapping[str, Any]], *,
+                     step_seeds: Sequence[int]) -> dict[str, Any]:
+        """fuse-train's "interleave" schedule: the updates take turns micro-batch by micro-batch
+        (flowrl.runtime.schedule); each result equals that model's plain `update`."""
+        jobs = list(zip(models, batches, attrs, step_seeds, strict=True))
+        results, order = interleave([partial(self._update_job, job) for job in jobs])
+        return {"results": results, "order": order}
+
+    def _update_job(self, job: tuple[str, Batch, Mapping[str, Any], int], turn: Turn) -> dict[str, float]:
+        model, batch, attrs, seed = job
+        return self.update(model, batch, attrs, step_seed=seed, turn=turn)
 
     def _warm_up_lr(self, model: str) -> None:
         """Linear LR warm-up over the model's first `warmup_steps` optimizer steps."""
         options: Mapping[str, Any] = self.decls[model].options
         warmup = int(options.get("warmup_steps", 0) or 0)
         if warmup > 0:
-            base = float(self.decls[model].lr if self.decls[model].lr is not None else 1e-5)
+            lr = self.decls[model].lr
+            base = float(lr) if lr is not None else 1e-5
             engine = self.trainers[model]
-            engine.set_lr(base * min(1.0, (engine.steps + 1) / warmup))
+            engine.set_lr(base * min(1.0, (int(getattr(engine, "steps", 0)) + 1) / warmup))
 
     def _policy_loss(self, module: torch.nn.Module, mb: Batch, *, attrs: Mapping[str, Any],
                      denoms: Mapping[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
@@ -235,6 +314,8 @@ class ModelWorker:
             self.models[name].module.load_state_dict(s["module"])
             if s.get("optim") is not None and name in self.trainers:
                 self.trainers[name].load_state_dict(s["optim"])
+            if name in self.generators:
+                self.generators[name].load_weights(self.models[name].module.state_dict())
 
     def weights(self, model: str) -> dict[str, torch.Tensor]:
         return {k: v.detach().cpu() for k, v in self.models[model].module.state_dict().items()}

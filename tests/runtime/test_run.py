@@ -179,3 +179,24 @@ def test_lr_warmup_ramps_linearly(tmp_path: Path) -> None:
     graph = flowrl.load(str(flow), overrides={"actor.warmup_steps": "4"})
     lrs = [r["actor/lr"] for r in run(graph, out_dir=tmp_path / "out").metrics]
     assert lrs == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3])
+
+
+def test_deepspeed_engine_trains_like_torch(tmp_path: Path) -> None:
+    """`engine = "deepspeed"` (ZeRO-0 and ZeRO-2 on CPU/gloo) follows the torch engine's trajectory."""
+    pytest.importorskip("deepspeed")
+    flow = str(write_flow(tmp_path))
+    torch_run = run(flowrl.load(flow), out_dir=tmp_path / "torch", steps=3).metrics
+    for stage in ("0", "2"):
+        graph = flowrl.load(flow, overrides={"actor.engine": '"deepspeed"', "actor.zero_stage": stage})
+        ds_run = run(graph, out_dir=tmp_path / f"ds{stage}", steps=3).metrics
+        for a, b in zip(torch_run, ds_run, strict=True):
+            assert a["reward_mean"] == b["reward_mean"]
+            assert a["loss"] == pytest.approx(b["loss"], abs=1e-5)
+
+
+def test_unavailable_engine_is_a_clear_error(tmp_path: Path) -> None:
+    graph = flowrl.load(str(write_flow(tmp_path)), overrides={"actor.engine": '"vllm"'})
+    with pytest.raises(FlowError) as err:
+        run(graph, out_dir=tmp_path / "out", steps=1)
+    text = err.value.render()
+    assert 'engine "vllm"' in text and "Traceback" not in text
