@@ -28,7 +28,7 @@ REGISTRY: list[RegisteredPass] = []
 
 
 def register(name: str, doc: str, *, default: bool = True) -> Callable[[Pass], Pass]:
-    """Add a pass at the end of the pipeline (import order is pipeline order: see `_load_builtin`)."""
+    """Add a pass to the registry (its place in the pipeline: `builtin.PIPELINE`, see `_load_builtin`)."""
 
     def wrap(fn: Pass) -> Pass:
         if any(p.name == name for p in REGISTRY):
@@ -40,8 +40,12 @@ def register(name: str, doc: str, *, default: bool = True) -> Callable[[Pass], P
 
 
 def _load_builtin() -> None:
-    # Importing the pass modules registers them, in pipeline order.
-    from flowrl.passes import builtin  # noqa: F401
+    # Importing the pass modules registers them; `builtin.PIPELINE` fixes their order, whichever module a
+    # caller happened to import first (passes registered elsewhere follow, in registration order).
+    from flowrl.passes import builtin
+
+    order = {name: i for i, name in enumerate(builtin.PIPELINE)}
+    REGISTRY.sort(key=lambda p: order.get(p.name, len(order)))
 
 
 def names() -> list[str]:

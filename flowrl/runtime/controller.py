@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 import traceback
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -17,6 +17,7 @@ from flowrl.ir.graph import Graph, Node
 from flowrl.registry import RewardFn
 from flowrl.runtime.batch import Batch
 from flowrl.runtime.functions import call_function, score_rollout
+from flowrl.runtime.fusion import StageRun, run_stage
 from flowrl.runtime.protocol import WorkerGroup
 
 # Update inputs: parameter name -> the field it becomes in the training batch.
@@ -48,10 +49,12 @@ class Controller:
     model weights; all tensor math it does itself is the cheap per-sample kind (advantages, rewards)."""
 
     def __init__(self, graph: Graph, groups: Mapping[str, WorkerGroup], loaders: Mapping[str, PromptLoader],
-                 rewards: Mapping[str, RewardFn], *, seed: int, clock_start: float | None = None):
+                 rewards: Mapping[str, RewardFn], *, seed: int, clock_start: float | None = None,
+                 after_update: Callable[[str, str], float] | None = None):
         self.graph, self.groups, self.loaders, self.rewards = graph, dict(groups), dict(loaders), dict(rewards)
         self.seed = seed
         self.t0 = clock_start if clock_start is not None else time.perf_counter()
+        self.after_update = after_update  # the backend's weight-sync hook (split placement), if it has one
 
     def step_seed(self, step: int, node: Node) -> int:
         # A seed per (step, node) makes a resumed run draw the same samples as an uninterrupted one.
@@ -60,22 +63,53 @@ class Controller:
     def step(self, step: int) -> StepResult:
         values: dict[str, Batch] = {}
         result = StepResult({})
+        finished: set[str] = set()
         for node in self.graph.nodes:
+            if node.id in finished:  # already ran as a member of a fused stage
+                continue
             start = time.perf_counter()
             try:
-                out = self._run(node, values, step, result.metrics)
+                if node.attrs.get("fusion"):  # a fused stage (passes fuse-*): all its members run now
+                    ran = run_stage(self, node, values, step, result.metrics)
+                else:
+                    ran = [StageRun(node, self._run(node, values, step, result.metrics), start, None)]
             except FlowError as e:
                 raise type(e)([_context(node, self.graph.path), *e.diagnostics]) from None
             except Exception as e:
                 raise ExecutionError([_context(node, self.graph.path, e)]) from e
-            dur = time.perf_counter() - start
-            if out is not None:
-                values[node.id] = out
-            result.spans.append(Span(node.id, node.op, node.worker_group, step, start - self.t0, dur))
-            result.metrics[f"time/{node.id}"] = dur
+            end = time.perf_counter()
+            for r in ran:
+                finished.add(r.node.id)
+                if r.out is not None:
+                    values[r.node.id] = r.out
+                dur = (r.end if r.end is not None else end) - r.start
+                result.spans.append(Span(r.node.id, r.node.op, r.node.worker_group, step, r.start - self.t0, dur))
+                result.metrics[f"time/{r.node.id}"] = dur
+            self._sync_weights(ran, step, result)
         result.metrics.update(_summary(self.graph, values))
         result.values = values
         return result
+
+    def _sync_weights(self, ran: list[StageRun], step: int, result: StepResult) -> None:
+        """Split placement: after an update the backend sends the new weights to the other groups that hold the
+        model (`after_update` returns the seconds taken, 0.0 when no other group does); timed as `sync.MODEL`."""
+        if self.after_update is None:
+            return
+        for r in ran:
+            if r.node.op != "update" or r.node.model is None:
+                continue
+            start = time.perf_counter()
+            try:
+                took = self.after_update(r.node.model, r.node.worker_group)
+            except FlowError as e:
+                raise type(e)([_context(r.node, self.graph.path), *e.diagnostics]) from None
+            except Exception as e:
+                raise ExecutionError([_context(r.node, self.graph.path, e)]) from e
+            if took > 0:
+                name = f"sync.{r.node.model}"
+                result.spans.append(Span(name, "sync", r.node.worker_group, step, start - self.t0,
+                                         time.perf_counter() - start))
+                result.metrics[f"time/{name}"] = took
 
     def _run(self, node: Node, values: dict[str, Batch], step: int, metrics: dict[str, float]) -> Batch | None:
         inputs = {param: values[src] for param, src in node.inputs}
@@ -99,11 +133,14 @@ class Controller:
             batch = _training_batch(inputs)
             out = group.call("update", node.model, batch, attrs, dispatch=node.dispatch,
                              step_seed=self.step_seed(step, node)).result()
-            metrics.update({f"{node.model}/{k}": float(v) for k, v in out.items()})
-            if self.graph.model(str(node.model)).role == "policy" and "loss" in out:
-                metrics["loss"] = float(out["loss"])
+            self.record_update(node, out, metrics)
             return None
         raise ValueError(f"unknown op {node.op!r}")
+
+    def record_update(self, node: Node, out: Mapping[str, float], metrics: dict[str, float]) -> None:
+        metrics.update({f"{node.model}/{k}": float(v) for k, v in out.items()})
+        if self.graph.model(str(node.model)).role == "policy" and "loss" in out:
+            metrics["loss"] = float(out["loss"])
 
 
 def _prompt_batch(loader: PromptLoader) -> Batch:

@@ -1,0 +1,371 @@
+"""Shared-prefix forwards for the torch engines (flowrl.engines): each prompt prefix is computed once.
+
+What the `share-prefix` pass switches on (RLHFless's pre-computed shared prefixes). A rollout of N = B * n
+rows holds each prompt n times, and different prompts may open with the same tokens (a system prompt). The
+plain forward (`flowrl.engines.forward`) runs every row's whole prompt; here the prompt part runs once:
+
+    level A  one row per trie group (flowrl.engines.trie): the common prefix of prompts sharing >= min_len tokens
+    level B  one row per unique prompt: the rest of the prompt, attending to its group's level-A cache
+    level C  the responses, attending to their prompt's cache: the n samples of a prompt packed into one row
+             with a 4-D mask (each token sees the prompt and its own sample), or one row per sample attending
+             to a copy of the cache when a packed row would be too long
+
+Every level is left-padded, holes are masked out of attention and positions count real tokens only, so each
+token sees exactly the tokens and positions of the plain forward. The output at a prompt's last token (which
+scores response token 0) comes from level B; responses run only their first T - 1 tokens. Results equal the
+plain forward to float rounding (tested <= 1e-5). Levels A and B of each module are kept (`PromptCache`) until
+its weights change, so the chunks of a streamed rollout (fuse-gen-inference) compute each prompt once too.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+from flowrl.engines.forward import _token_logprobs
+from flowrl.engines.trie import PrefixPlan, plan_of, plan_prefixes
+from flowrl.models.build import ValueModel
+
+__all__ = ["PromptCache", "prefill", "shared_logprobs", "shared_values"]
+
+KV = list[tuple[Tensor, Tensor]]  # per layer: keys, values (rows, heads, slots, head_dim)
+
+
+# -- running the levels -----------------------------------------------------------------------------------
+
+
+def _supports_cache(module: nn.Module) -> bool:
+    """Only plain full-attention caches can be split into levels (sliding-window layers cannot)."""
+    lm = module.backbone if isinstance(module, ValueModel) else module
+    config = getattr(lm, "config", None)
+    if config is None:
+        return False
+    layers = getattr(DynamicCache(config=config), "layers", [])
+    return bool(layers) and all(type(layer) is DynamicLayer for layer in layers)
+
+
+def _left_pad(rows: Sequence[Sequence[int]], pad: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    width = max(1, max((len(r) for r in rows), default=1))
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        if r:
+            ids[i, width - len(r):] = torch.as_tensor(list(r), dtype=torch.long)
+            mask[i, width - len(r):] = 1
+    return ids.to(device), mask.to(device)
+
+
+def _run(module: nn.Module, ids: Tensor, attn: Tensor, positions: Tensor, past: KV | None,
+         keep: int) -> tuple[Tensor, KV]:
+    """One level: `ids` (b, w) after `past` (b, heads, s, d) per layer, with a 2-D (b, s + w) or 4-D attention
+    mask. Returns the last `keep` outputs (logits (b, keep, V) for an LM, hidden states (b, keep, H) for a
+    value model) and the grown cache."""
+    lm: Any = module.backbone if isinstance(module, ValueModel) else module
+    cache = DynamicCache(config=lm.config)
+    for i, (k, v) in enumerate(past or []):
+        cache.update(k, v, i)
+    if isinstance(module, ValueModel):
+        out = lm(input_ids=ids, attention_mask=attn, position_ids=positions, past_key_values=cache, use_cache=True)
+        result = out.last_hidden_state[:, -keep:]
+    else:
+        out = module(input_ids=ids, attention_mask=attn, position_ids=positions, past_key_values=cache,
+                     use_cache=True, logits_to_keep=keep)  # fmt: skip
+        result = out.logits[:, -keep:]
+    layers: list[Any] = list(cache.layers)
+    return result, [(layer.keys, layer.values) for layer in layers]
+
+
+def _level(module: nn.Module, ids: Tensor, mask: Tensor, start: Tensor, past: KV | None,
+           past_mask: Tensor | None, keep: int) -> tuple[Tensor, KV]:
+    """A level of left-padded rows: positions count real tokens from `start` (b,)."""
+    attn = mask if past_mask is None else torch.cat([past_mask, mask], dim=1)  # (b, s + w)
+    positions = (start[:, None] + mask.cumsum(-1) - 1).clamp(min=0)  # (b, w)
+    return _run(module, ids, attn, positions, past, keep)
+
+
+@dataclass
+class PromptState:
+    """The prompt levels (A and B) computed once per unique prompt: what responses and decoding attend to."""
+
+    kv: KV  # (U, heads, W, d) per layer
+    mask: Tensor  # (U, W) 1 where a slot holds a real prompt token
+    lengths: Tensor  # (U,) prompt length = position of response token 0
+    last: Tensor  # (U, V) logits or (U, H) hidden state at each prompt's last token
+
+
+def prefill(module: nn.Module, plan: PrefixPlan, pad: int, device: torch.device) -> PromptState:
+    """Levels A and B of `plan`: each trie prefix once, then each unique prompt's remainder once."""
+    prefix_len = [0] * len(plan.unique)
+    group_of = [-1] * len(plan.unique)
+    for g, (length, members) in enumerate(plan.groups):
+        for u in members:
+            prefix_len[u], group_of[u] = length, g
+    past: KV | None = None
+    past_mask: Tensor | None = None
+    if plan.groups:
+        ids, mask = _left_pad([plan.unique[m[0]][:length] for length, m in plan.groups], pad, device)
+        zero = torch.zeros(len(plan.groups), dtype=torch.long, device=device)
+        _, kv_a = _level(module, ids, mask, zero, None, None, 1)
+        # Ungrouped prompts get an all-masked (zero) past so that level B stays one batch.
+        rows = torch.tensor([max(g, 0) for g in group_of], device=device)
+        keep = torch.tensor([g >= 0 for g in group_of], device=device)
+        past = [(k[rows] * keep[:, None, None, None], v[rows] * keep[:, None, None, None]) for k, v in kv_a]
+        past_mask = mask[rows] * keep[:, None]
+    ids, mask = _left_pad([p[prefix_len[u]:] for u, p in enumerate(plan.unique)], pad, device)
+    start = torch.tensor(prefix_len, dtype=torch.long, device=device)
+    last, kv = _level(module, ids, mask, start, past, past_mask, 1)
+    full_mask = mask if past_mask is None else torch.cat([past_mask, mask], dim=1)
+    lengths = torch.tensor([len(p) for p in plan.unique], dtype=torch.long, device=device)
+    return PromptState(kv, full_mask, lengths, last[:, -1])
+
+
+def _responses(module: nn.Module, state: PromptState, prompts: Tensor, response_ids: Tensor,
+               response_mask: Tensor) -> Tensor:
+    """(b, T, out) outputs scoring response tokens 0..T-1 of rows whose unique prompts are `prompts` (b,),
+    one row per sample: each sample attends to its own copy of its prompt's cache."""
+    first = state.last[prompts][:, None]  # (b, 1, out): the prompt's last token scores response token 0
+    length = response_ids.shape[1]
+    if length == 1:
+        return first
+    past = [(k[prompts], v[prompts]) for k, v in state.kv]
+    rest, _ = _level(module, response_ids[:, :-1], response_mask[:, :-1].long(), state.lengths[prompts], past,
+                     state.mask[prompts], length - 1)
+    return torch.cat([first, rest], dim=1)
+
+
+@dataclass(frozen=True)
+class _Packing:
+    """Where each sample's response tokens 0..L-1 sit when the samples of a prompt share one packed row."""
+
+    units: Tensor  # (U',) the unique prompts, one packed row each
+    slot: Tensor  # (b,) packed row of each sample
+    rows: Tensor  # (b * L,) packed row of each token
+    where: Tensor  # (b * L,) column of each token in its packed row
+    ids: Tensor  # (U', q) the packed tokens
+    step: Tensor  # (U', q) position of each token within its response
+    own: Tensor  # (U', q, q) True where a token may attend to another: same sample, not later, not padding
+
+
+def _packing(prompts: Tensor, response_ids: Tensor, response_mask: Tensor) -> _Packing:
+    length, dev = response_ids.shape[1] - 1, prompts.device
+    units, slot = torch.unique(prompts, return_inverse=True)
+    rank = torch.zeros_like(prompts)  # each sample's place among its prompt's samples
+    for u in range(len(units)):
+        mine = (slot == u).nonzero().squeeze(1)
+        rank[mine] = torch.arange(len(mine), device=dev)
+    q = int(rank.max() + 1) * length
+    where = (rank[:, None] * length + torch.arange(length, device=dev)).reshape(-1)
+    rows = slot.repeat_interleave(length)
+    ids = response_ids.new_zeros((len(units), q))
+    ids[rows, where] = response_ids[:, :length].reshape(-1)
+    sample = torch.full((len(units), q), -1, device=dev)
+    sample[rows, where] = rank.repeat_interleave(length)
+    step = torch.zeros((len(units), q), dtype=torch.long, device=dev)
+    step[rows, where] = torch.arange(length, device=dev).repeat(len(prompts))
+    valid = torch.zeros((len(units), q), dtype=torch.bool, device=dev)
+    valid[rows, where] = response_mask[:, :length].reshape(-1).bool()
+    own = (sample[:, :, None] == sample[:, None, :]) & (step[:, None, :] <= step[:, :, None]) & valid[:, None, :]
+    own |= torch.eye(q, dtype=torch.bool, device=dev)  # a padding query still sees itself
+    return _Packing(units, slot, rows, where, ids, step, own)
+
+
+def _additive(seen: Tensor) -> Tensor:
+    # An additive float mask: what eager attention needs, and twice as fast as a boolean one in CPU SDPA.
+    return torch.zeros(seen.shape, device=seen.device).masked_fill(~seen, torch.finfo(torch.float32).min)
+
+
+def _unpack(out: Tensor, pk: _Packing, first: Tensor) -> Tensor:
+    """(b, T, out): `first` (b, out) scores response token 0, the packed outputs the rest."""
+    rest = out[pk.rows, pk.where].reshape(len(pk.slot), -1, out.shape[-1])
+    return torch.cat([first[:, None], rest], dim=1)
+
+
+def _responses_packed(module: nn.Module, state: PromptState, prompts: Tensor, response_ids: Tensor,
+                      response_mask: Tensor) -> Tensor:
+    """Like `_responses`, without copying any cache: the samples of a prompt run as one packed row after its
+    cache, a 4-D mask letting each token see the prompt and the earlier tokens of its own sample only."""
+    pk = _packing(prompts, response_ids, response_mask)
+    q = pk.ids.shape[1]
+    seen = torch.cat([state.mask[pk.units].bool()[:, None, :].expand(-1, q, -1), pk.own], dim=2)[:, None]
+    past = [(k[pk.units], v[pk.units]) for k, v in state.kv]
+    out, _ = _run(module, pk.ids, _additive(seen), state.lengths[pk.units][:, None] + pk.step, past, q)
+    return _unpack(out, pk, state.last[prompts])
+
+
+def _single_pass(module: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, prompts: Tensor,
+                 response_ids: Tensor, response_mask: Tensor) -> tuple[Tensor, PromptState]:
+    """Prompts and packed responses in one forward ([prompt | packed samples] per unique prompt): the
+    outputs of `_responses_packed`, and the prompts' state for the cache."""
+    pk = _packing(prompts, response_ids, response_mask)
+    width, q, dev = prompt_ids.shape[1], pk.ids.shape[1], prompts.device
+    first_row = torch.zeros(len(pk.units), dtype=torch.long, device=dev)
+    first_row[pk.slot] = torch.arange(len(prompts), device=dev)
+    ids, mask = prompt_ids[first_row], prompt_mask[first_row].long()  # (U', W)
+    real = mask.bool()
+    causal = torch.tril(torch.ones(width, width, dtype=torch.bool, device=dev))[None] & real[:, None, :]
+    causal |= torch.eye(width, dtype=torch.bool, device=dev)[None]  # left padding sees itself
+    top = torch.cat([causal, causal.new_zeros((len(pk.units), width, q))], dim=2)
+    seen = torch.cat([top, torch.cat([real[:, None, :].expand(-1, q, -1), pk.own], dim=2)], dim=1)[:, None]
+    lengths = mask.sum(1)
+    positions = torch.cat([(mask.cumsum(-1) - 1).clamp(min=0), lengths[:, None] + pk.step], dim=1)
+    out, kv = _run(module, torch.cat([ids, pk.ids], dim=1), _additive(seen), positions, None, q + 1)
+    state = PromptState([(k[:, :, :width], v[:, :, :width]) for k, v in kv], mask, lengths, out[:, 0])
+    return _unpack(out[:, 1:], pk, out[:, 0][pk.slot]), state
+
+
+PACK_LIMIT = 1024  # packed rows longer than this would make the (q, q) mask cost more than the copies saved
+
+
+def _attention(module: nn.Module) -> str:
+    lm: Any = module.backbone if isinstance(module, ValueModel) else module
+    return str(getattr(lm.config, "_attn_implementation", "eager"))
+
+
+class PromptCache:
+    """One module's computed prompts (levels A + B, one row each), reused by its later forwards until any of
+    its parameters changes in place (an optimizer step, a weight load: `Tensor._version` moves)."""
+
+    CAPACITY = 512  # prompts kept, least recently used dropped first
+
+    def __init__(self) -> None:
+        self.version = -1
+        self.entries: OrderedDict[tuple[int, ...], PromptState] = OrderedDict()
+        self.lock = threading.Lock()
+
+
+_CACHES: weakref.WeakKeyDictionary[nn.Module, PromptCache] = weakref.WeakKeyDictionary()
+_CACHES_LOCK = threading.Lock()
+
+
+def _cache_of(module: nn.Module) -> PromptCache:
+    with _CACHES_LOCK:
+        cache = _CACHES.setdefault(module, PromptCache())
+    version = sum(p._version for p in module.parameters())
+    with cache.lock:
+        if version != cache.version:
+            cache.entries.clear()
+            cache.version = version
+    return cache
+
+
+def _prompt_states(module: nn.Module, plan: PrefixPlan, min_len: int, pad: int, device: torch.device,
+                   cache: PromptCache) -> PromptState:
+    """The PromptState of every unique prompt of `plan`: from the cache, the missing ones computed now."""
+    with cache.lock:
+        missing = [p for p in plan.unique if p not in cache.entries]
+    if missing:
+        _store(cache, missing, prefill(module, plan_of(missing, [], min_len), pad, device))
+    with cache.lock:
+        rows = [cache.entries[p] for p in plan.unique]
+        for p in plan.unique:
+            cache.entries.move_to_end(p)
+    return _stack(rows)
+
+
+def _store(cache: PromptCache, prompts: Sequence[tuple[int, ...]], state: PromptState) -> None:
+    """Keep row i of `state` as the computed prompt `prompts[i]` (copied: a row must not pin its batch)."""
+    with cache.lock:
+        for i, p in enumerate(prompts):
+            cache.entries[p] = PromptState([(k[i : i + 1].clone(), v[i : i + 1].clone()) for k, v in state.kv],
+                                           state.mask[i : i + 1].clone(), state.lengths[i : i + 1].clone(),
+                                           state.last[i : i + 1].clone())
+            cache.entries.move_to_end(p)
+        while len(cache.entries) > cache.CAPACITY:
+            cache.entries.popitem(last=False)
+
+
+def _stack(rows: Sequence[PromptState]) -> PromptState:
+    """One PromptState of single-prompt states, left-padded to the widest (zero keys/values, mask 0)."""
+    width = max(r.mask.shape[1] for r in rows)
+
+    def left(x: Tensor, dim: int) -> Tensor:
+        gap = list(x.shape)
+        gap[dim] = width - x.shape[dim]
+        return torch.cat([x.new_zeros(gap), x], dim=dim)
+
+    kv = [(torch.cat([left(r.kv[i][0], 2) for r in rows]), torch.cat([left(r.kv[i][1], 2) for r in rows]))
+          for i in range(len(rows[0].kv))]
+    return PromptState(kv, torch.cat([left(r.mask, 1) for r in rows]), torch.cat([r.lengths for r in rows]),
+                       torch.cat([r.last for r in rows]))
+
+
+def _shared(module: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor,
+            response_mask: Tensor, min_len: int, micro_batch: int, pad: int,
+            finish: Callable[[Tensor, Tensor, Tensor], Tensor]) -> Tensor | None:
+    if response_ids.shape[1] == 0 or prompt_ids.shape[0] == 0 or not _supports_cache(module):
+        return None
+    plan = plan_prefixes(prompt_ids, prompt_mask, min_len)
+    cache = _cache_of(module)
+    with cache.lock:
+        cached = any(p in cache.entries for p in plan.unique)
+    if not plan.worth_it(min_len, cached):
+        return None
+    device = response_ids.device
+    out = torch.zeros(response_ids.shape, dtype=torch.float32, device=device)  # (N, T)
+    row_prompt = torch.tensor(plan.row_prompt, device=device)
+    per_prompt = max(plan.row_prompt.count(u) for u in set(plan.row_prompt))
+    packed = _attention(module) in ("sdpa", "eager") and per_prompt * (response_ids.shape[1] - 1) <= PACK_LIMIT
+    packed = packed and response_ids.shape[1] > 1
+    with torch.inference_mode():
+        if packed and not plan.groups and not cached:  # nothing to reuse: prompts and responses in one call
+            for rows in _row_chunks(plan.row_prompt, micro_batch):
+                idx = torch.tensor(rows, device=device)
+                outputs, state = _single_pass(module, prompt_ids[idx], prompt_mask[idx], row_prompt[idx],
+                                              response_ids[idx], response_mask[idx])
+                _store(cache, [plan.unique[int(u)] for u in torch.unique(row_prompt[idx])], state)
+                out[idx] = finish(outputs, response_ids[idx], response_mask[idx].long())
+            return out
+        state = _prompt_states(module, plan, min_len, pad, device, cache)
+        for rows in _row_chunks(plan.row_prompt, micro_batch):
+            idx = torch.tensor(rows, device=device)
+            run = _responses_packed if packed else _responses
+            outputs = run(module, state, row_prompt[idx], response_ids[idx], response_mask[idx])
+            out[idx] = finish(outputs, response_ids[idx], response_mask[idx].long())
+    return out
+
+
+def _row_chunks(row_prompt: Sequence[int], micro_batch: int) -> list[list[int]]:
+    """Rows grouped by whole unique prompts, at most `micro_batch` rows a chunk (a prompt is never split)."""
+    by_prompt: dict[int, list[int]] = {}
+    for r, u in enumerate(row_prompt):
+        by_prompt.setdefault(u, []).append(r)
+    chunks: list[list[int]] = [[]]
+    for rows in by_prompt.values():
+        if micro_batch > 0 and chunks[-1] and len(chunks[-1]) + len(rows) > micro_batch:
+            chunks.append([])
+        chunks[-1].extend(rows)
+    return chunks
+
+
+def shared_logprobs(module: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor,
+                    response_mask: Tensor, *, temperature: float = 1.0, min_len: int = 16, micro_batch: int = 0,
+                    pad: int = 0) -> Tensor | None:
+    """(N, T) like `forward_logprobs`, or None when sharing does not apply (then use the plain forward)."""
+    scale = 1.0 / temperature if temperature > 0 else 1.0
+
+    def finish(logits: Tensor, targets: Tensor, mask: Tensor) -> Tensor:
+        logits = logits.float() * scale if scale != 1.0 else logits.float()
+        return _token_logprobs(logits, targets * mask) * mask
+
+    return _shared(module, prompt_ids, prompt_mask, response_ids, response_mask, min_len, micro_batch, pad, finish)
+
+
+def shared_values(module: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor,
+                  response_mask: Tensor, *, min_len: int = 16, micro_batch: int = 0, pad: int = 0) -> Tensor | None:
+    """(N, T) like `forward_values` for a `ValueModel`, or None when sharing does not apply."""
+    if not isinstance(module, ValueModel):
+        return None
+
+    def finish(hidden: Tensor, targets: Tensor, mask: Tensor) -> Tensor:
+        return module.value_head(hidden).squeeze(-1).float() * mask
+
+    return _shared(module, prompt_ids, prompt_mask, response_ids, response_mask, min_len, micro_batch, pad, finish)

@@ -1,0 +1,352 @@
+"""Streaming generation for the torch engine (flowrl.engines): `generate_stream` yields samples as they finish.
+
+What `fuse-gen-inference` runs on each generation rank. It is `generate`'s decode loop (same prefill, same
+per-step noise draws, same dropping of finished rows), so a stream that runs to the end yields exactly
+`generate`'s samples, only handed over in chunks (`GenChunk`) as they finish rather than all at the end.
+
+The long tail can also move: when asked (`StreamControl.should_export`), a stream stops after a step and
+yields a `Tail`: the unfinished rows' KV caches, pending tokens, partial outputs and sampling state. Another
+rank resumes any number of tails together (`resume_stream`) in one batch. Sampling stays the same because each
+source batch stays a *segment*: it keeps its generator and draws noise of the shape its own loop would have
+drawn (its rows as `generate` would still hold them), and picks its rows' noise from that.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+from torch import Tensor, nn
+
+from flowrl.engines.forward import positions_from_mask
+from flowrl.engines.generation import _check_args, _left_pad, _make_cache, _nucleus
+from flowrl.models.tokenizer import Tokenizer
+
+__all__ = ["GenChunk", "Sampling", "StreamControl", "Tail", "generate_stream", "resume_stream"]
+
+
+class StreamControl(Protocol):
+    """The scheduler's side of a stream: progress reports in, the request to hand the tail over out."""
+
+    def progress(self, remaining: int) -> None: ...
+
+    def should_export(self) -> bool: ...
+
+
+@dataclass(frozen=True)
+class Sampling:
+    max_tokens: int
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+
+
+@dataclass(frozen=True)
+class GenChunk:
+    """Finished samples. `samples` are rollout row numbers (n samples of prompt 0 first, then prompt 1, ...)."""
+
+    samples: Tensor  # (c,)
+    prompt_ids: Tensor  # (c, P) left-padded
+    prompt_mask: Tensor  # (c, P)
+    response_ids: Tensor  # (c, Tc) right-padded to the longest response in the chunk
+    response_mask: Tensor  # (c, Tc)
+    logprobs: Tensor  # (c, Tc)
+    remaining: int  # samples of this stream still decoding
+
+
+@dataclass
+class _Segment:
+    """Rows that sampled together in one loop: their generator, response step and the row count that
+    loop would hold now (`vsize`: its noise draws are (vsize, V))."""
+
+    gen_state: Tensor | None
+    t: int
+    vsize: int
+    ended: bool = False
+    gen: torch.Generator | None = field(default=None, repr=False)
+
+    def generator(self) -> torch.Generator | None:
+        if self.gen is None and self.gen_state is not None:
+            self.gen = torch.Generator()
+            self.gen.set_state(self.gen_state)
+        return self.gen
+
+
+@dataclass
+class Tail:
+    """Unfinished rows handed from one rank to another, between a sampling step and the next forward."""
+
+    samples: Tensor  # (r,) rollout row numbers
+    prompt_ids: Tensor  # (r, P)
+    prompt_mask: Tensor  # (r, P)
+    out_ids: Tensor  # (r, max_tokens) response so far
+    out_lp: Tensor
+    out_mask: Tensor
+    kv: list[tuple[Tensor, Tensor]]  # per layer (r, heads, L, d): the cache before the pending token
+    mask: Tensor  # (r, L)
+    pos: Tensor  # (r,) position of the pending token
+    pending: Tensor  # (r,) sampled, not yet fed
+    seg: Tensor  # (r,) index into `segments`
+    vpos: Tensor  # (r,) row index in its segment's noise draw
+    segments: list[_Segment]
+    source: int = -1  # the rank it comes from (set by the scheduler)
+
+
+class _Decoder:
+    """Batched decode state of one rank: physical rows, their segments, the KV cache and output buffers."""
+
+    def __init__(self, module: nn.Module, tok: Tokenizer, s: Sampling, samples: Tensor, prompt_ids: Tensor,
+                 prompt_mask: Tensor, out: tuple[Tensor, Tensor, Tensor]) -> None:
+        self.module, self.s = module, s
+        self.pad, self.eos = tok.pad_id, tok.eos_id
+        self.samples, self.prompt_ids, self.prompt_mask = samples, prompt_ids, prompt_mask  # per local slot
+        self.out_ids, self.out_lp, self.out_mask = out  # (S, max_tokens) per local slot
+        self.segments: list[_Segment] = []
+        self.ours = True
+        self.cache: object = None
+        self.logits: Tensor | None = None  # (R, V) scores of the next token, None before the first forward
+        self.rows = self.seg = self.vpos = self.pos = self.pending = self.t_row = torch.empty(0, dtype=torch.long)
+        self.done = torch.empty(0, dtype=torch.bool)
+        self.attn = torch.empty(0, 0, dtype=torch.long)
+        self.length = 0
+        self.aligned = True  # one segment whose draw rows are exactly the physical rows, in order
+
+    # -- sampling ------------------------------------------------------------------------------------
+    def sample_step(self) -> list[int]:
+        """Sample every live row's next token; returns the local slots that finished at this step."""
+        assert self.logits is not None
+        tok = torch.full_like(self.rows, self.pad)
+        lp = torch.zeros(self.rows.shape, dtype=torch.float32, device=self.rows.device)
+        for i, seg in enumerate(self.segments):
+            if seg.ended:
+                continue
+            phys = None if self.aligned else (self.seg == i).nonzero().squeeze(1)
+            logits = self.logits if phys is None else self.logits[phys]
+            seg_tok, seg_lp = self._sample(logits, seg, None if phys is None else self.vpos[phys])
+            if phys is None:
+                tok, lp = seg_tok, seg_lp
+            else:
+                tok[phys], lp[phys] = seg_tok, seg_lp
+        was_done = self.done
+        tok = tok.masked_fill(was_done, self.pad)
+        # Finished rows keep the buffers' initial pad / 0 (and may be past max_tokens in a resumed batch).
+        live = (~was_done).nonzero().squeeze(1)
+        slots, steps = self.rows[live], self.t_row[live]
+        self.out_ids[slots, steps] = tok[live]
+        self.out_lp[slots, steps] = lp[live]
+        self.out_mask[slots, steps] = 1
+        done = was_done | (tok == self.eos)
+        compact: list[tuple[int, int]] = []
+        for i, seg in enumerate(self.segments):
+            if seg.ended:
+                continue
+            mine = self.seg == i
+            remaining = int((mine & ~done).sum())
+            if remaining == 0 or seg.t == self.s.max_tokens - 1:
+                seg.ended = True
+                done = done | mine  # rows still going at max_tokens finish by length
+            elif self.ours and remaining <= seg.vsize // 2:
+                compact.append((i, remaining))
+        finished = self.rows[(done & ~was_done).nonzero().squeeze(1)].tolist()
+        self.done, self.pending = done, tok
+        for i, remaining in compact:
+            self._compact_segment(i, remaining)
+        return finished
+
+    def _sample(self, logits: Tensor, seg: _Segment, vpos: Tensor | None) -> tuple[Tensor, Tensor]:
+        """`generate`'s sampler for one segment: same ops, noise drawn as (vsize, V) and picked by `vpos`."""
+        s = self.s
+        greedy = s.temperature <= 0
+        scaled = logits if greedy else logits / s.temperature
+        logprobs = torch.log_softmax(scaled, dim=-1)
+        if seg.t < s.min_tokens:
+            scaled = scaled.clone() if scaled is logits else scaled
+            scaled[:, self.eos] = float("-inf")
+        if greedy:
+            tok = scaled.argmax(dim=-1)
+        else:
+            probs = torch.softmax(scaled, dim=-1)
+            if s.top_p < 1.0:
+                probs = _nucleus(probs, s.top_p)
+            noise = torch.rand((seg.vsize, probs.shape[1]), generator=seg.generator(), device=probs.device)
+            noise = noise.log_().neg_()
+            if vpos is not None:
+                noise = noise[vpos]
+            tok = (probs / noise).argmax(dim=-1)
+        return tok, logprobs.gather(-1, tok[:, None]).squeeze(-1)
+
+    def _compact_segment(self, i: int, remaining: int) -> None:
+        """The segment's own loop drops its finished rows now: later draws have `remaining` rows."""
+        self.segments[i].vsize = remaining
+        if self.aligned:  # the physical batch is that loop's batch: drop the rows for real, as `generate` does
+            self._keep(~self.done)
+            self.vpos = torch.arange(self.rows.shape[0], device=self.rows.device)
+            return
+        # Physical order within a segment is its draw order, so a live row's new draw row is its rank.
+        alive = (self.seg == i) & ~self.done
+        order = torch.cumsum(alive.long(), 0) - 1
+        self.vpos = torch.where(alive, order, torch.where(self.seg == i, 0, self.vpos))
+
+    # -- forward -------------------------------------------------------------------------------------
+    def advance(self) -> None:
+        """Feed the pending tokens: one decode step for every physical row."""
+        if not self.aligned and self.ours and int((~self.done).sum()) <= self.done.shape[0] // 2:
+            self._keep(~self.done)
+        self.length += 1
+        with torch.inference_mode():
+            out = self.module(input_ids=self.pending[:, None], attention_mask=self.attn[:, : self.length],
+                              position_ids=self.pos[:, None], past_key_values=self.cache, use_cache=True)  # fmt: skip
+        self.logits = out.logits[:, -1].float()
+        self.pos = self.pos + 1
+        self.t_row = self.t_row + 1
+        for seg in self.segments:
+            seg.t += 1
+
+    def _keep(self, keep_mask: Tensor) -> None:
+        keep = keep_mask.nonzero().squeeze(1)
+        with torch.inference_mode():
+            self.cache.batch_select_indices(keep)  # type: ignore[attr-defined]
+        for name in ("rows", "seg", "vpos", "pos", "pending", "t_row", "done", "attn"):
+            setattr(self, name, getattr(self, name)[keep])
+        if self.logits is not None:
+            self.logits = self.logits[keep]
+
+    # -- hand-offs -----------------------------------------------------------------------------------
+    @property
+    def remaining(self) -> int:
+        return int((~self.done).sum())
+
+    def take(self, slots: Sequence[int]) -> GenChunk:
+        idx = torch.as_tensor(list(slots), dtype=torch.long)
+        lens = self.out_mask[idx].sum(1)
+        width = max(1, int(lens.max()))
+        return GenChunk(self.samples[idx], self.prompt_ids[idx], self.prompt_mask[idx],
+                        self.out_ids[idx, :width].clone(), self.out_mask[idx, :width].clone(),
+                        self.out_lp[idx, :width].clone(), self.remaining)
+
+    def export(self) -> Tail:
+        live = (~self.done).nonzero().squeeze(1)
+        slots = self.rows[live]
+        layers = self.cache.layers  # type: ignore[attr-defined]
+        kv = [(layer.keys[live].clone(), layer.values[live].clone()) for layer in layers]
+        used = sorted(set(self.seg[live].tolist()))
+        remap = {old: new for new, old in enumerate(used)}
+        segs = [self.segments[i] for i in used]
+        for seg in segs:
+            gen = seg.generator()
+            seg.gen_state = gen.get_state() if gen is not None else None
+            seg.gen = None
+        vpos = self.vpos[live] if not self.aligned else torch.arange(len(self.rows))[live]
+        return Tail(self.samples[slots], self.prompt_ids[slots], self.prompt_mask[slots], self.out_ids[slots],
+                    self.out_lp[slots], self.out_mask[slots], kv, self.attn[live, : self.length],
+                    self.pos[live], self.pending[live], torch.tensor([remap[int(i)] for i in self.seg[live]]),
+                    vpos, segs)
+
+
+def generate_stream(module: nn.Module, tokenizer: Tokenizer, prompts: Sequence[Sequence[int]], *, n: int,
+                    sampling: Sampling, generator: torch.Generator | None, chunk: int, share_prefix: bool = True,
+                    first_sample: int = 0, control: StreamControl | None = None,
+                    device: str | torch.device = "cpu") -> Iterator[GenChunk | Tail]:
+    """`generate(...)` as a stream: finished samples in chunks of about `chunk`, or a `Tail` when exported."""
+    s = sampling
+    _check_args(prompts, n, s.max_tokens, s.min_tokens, s.temperature, s.top_p)
+    dev = torch.device(device)
+    ids, mask = _left_pad(prompts, tokenizer.pad_id, dev)  # (B, P)
+    batch, width = ids.shape
+    rows = batch * n
+    out = (torch.full((rows, s.max_tokens), tokenizer.pad_id, dtype=torch.long, device=dev),
+           torch.zeros((rows, s.max_tokens), dtype=torch.float32, device=dev),
+           torch.zeros((rows, s.max_tokens), dtype=torch.long, device=dev))
+    full_mask = mask.repeat_interleave(n, dim=0)  # (N, P)
+    dec = _Decoder(module, tokenizer, s, torch.arange(rows, device=dev) + first_sample,
+                   ids.repeat_interleave(n, dim=0), full_mask, out)
+    dec.cache, dec.ours = _make_cache(module, width + s.max_tokens)
+    share = share_prefix and n > 1
+    run_ids, run_mask = (ids, mask) if share else (ids.repeat_interleave(n, dim=0), full_mask)
+    with torch.inference_mode():
+        first = module(input_ids=run_ids, attention_mask=run_mask, position_ids=positions_from_mask(run_mask),
+                       past_key_values=dec.cache, use_cache=True, logits_to_keep=1)  # fmt: skip
+        logits = first.logits[:, -1].float()
+        if share:
+            logits = logits.repeat_interleave(n, dim=0)
+            dec.cache.batch_repeat_interleave(n)  # type: ignore[attr-defined]
+    dec.logits = logits
+    dec.rows = torch.arange(rows, device=dev)
+    dec.seg = dec.t_row = torch.zeros(rows, dtype=torch.long, device=dev)
+    dec.vpos = torch.arange(rows, device=dev)
+    dec.done = torch.zeros(rows, dtype=torch.bool, device=dev)
+    dec.attn = torch.cat([full_mask, torch.ones_like(out[2])], dim=1)  # (N, P + max_tokens)
+    dec.pos = positions_from_mask(full_mask)[:, -1] + 1
+    dec.length = width
+    dec.segments = [_Segment(None, 0, rows, gen=generator)]
+    return _drive(dec, chunk, control)
+
+
+def resume_stream(module: nn.Module, tokenizer: Tokenizer, tails: Sequence[Tail], *, sampling: Sampling,
+                  chunk: int, control: StreamControl | None = None,
+                  device: str | torch.device = "cpu") -> Iterator[GenChunk | Tail]:
+    """Continue the rows of `tails` (from any ranks) as one batch; each tail keeps its own sampling draws."""
+    s = sampling
+    dev = torch.device(device)
+    width = max(t.mask.shape[1] for t in tails)
+    prompt_width = max(t.prompt_ids.shape[1] for t in tails)
+
+    def left(x: Tensor, w: int, fill: int = 0) -> Tensor:  # (r, L, ...) -> (r, w, ...) padded on the left
+        pad = x.new_full((x.shape[0], w - x.shape[1], *x.shape[2:]), fill)
+        return torch.cat([pad, x], dim=1)
+
+    cat = torch.cat
+    dec = _Decoder(module, tokenizer, s, cat([t.samples for t in tails]).to(dev),
+                   cat([left(t.prompt_ids, prompt_width, tokenizer.pad_id) for t in tails]).to(dev),
+                   cat([left(t.prompt_mask, prompt_width) for t in tails]).to(dev),
+                   (cat([t.out_ids for t in tails]).to(dev), cat([t.out_lp for t in tails]).to(dev),
+                    cat([t.out_mask for t in tails]).to(dev)))
+    rows = dec.samples.shape[0]
+    dec.cache, dec.ours = _make_cache(module, width + s.max_tokens)
+    with torch.inference_mode():
+        for i, layer in enumerate(dec.cache.layers):  # type: ignore[attr-defined]
+            keys = cat([left(t.kv[i][0].transpose(1, 2), width).transpose(1, 2) for t in tails]).to(dev)
+            values = cat([left(t.kv[i][1].transpose(1, 2), width).transpose(1, 2) for t in tails]).to(dev)
+            layer.update(keys, values)
+    offsets = [0]
+    for t in tails:
+        offsets.append(offsets[-1] + len(t.segments))
+    dec.segments = [seg for t in tails for seg in t.segments]
+    dec.rows = torch.arange(rows, device=dev)
+    dec.seg = cat([t.seg + offsets[i] for i, t in enumerate(tails)]).to(dev)
+    dec.vpos = cat([t.vpos for t in tails]).to(dev)
+    dec.t_row = torch.tensor([dec.segments[int(i)].t for i in dec.seg], dtype=torch.long, device=dev)
+    dec.pos = cat([t.pos for t in tails]).to(dev)
+    dec.pending = cat([t.pending for t in tails]).to(dev)
+    dec.done = torch.zeros(rows, dtype=torch.bool, device=dev)
+    past = cat([left(t.mask, width) for t in tails]).to(dev)
+    dec.attn = cat([past, torch.ones((rows, s.max_tokens), dtype=torch.long, device=dev)], dim=1)
+    dec.length = width
+    dec.aligned = False
+    return _drive(dec, chunk, control)
+
+
+def _drive(dec: _Decoder, chunk: int, control: StreamControl | None) -> Iterator[GenChunk | Tail]:
+    """The decode loop: sample, hand finished samples over in chunks, export when asked, feed, repeat."""
+    ready: list[int] = []
+    if dec.logits is None:
+        dec.advance()
+    while True:
+        ready.extend(dec.sample_step())
+        if all(seg.ended for seg in dec.segments):
+            if ready:
+                yield dec.take(ready)
+            return
+        if len(ready) >= chunk:
+            yield dec.take(ready)
+            ready = []
+        if control is not None:
+            control.progress(dec.remaining)
+            if dec.ours and control.should_export():
+                if ready:
+                    yield dec.take(ready)
+                yield dec.export()
+                return
+        dec.advance()

@@ -1,0 +1,98 @@
+"""Pass `fuse-gen-inference` (RLHFuse inter-stage fusion), after `share-prefix` in the pass pipeline.
+
+Fuses a rollout's `generate` node with the forwards over that rollout (reference / policy `logprobs`, critic
+`values`, reward-model `score`): all get `fusion = "gen-infer:<rollout>"` and `fusion_kind = "inter-stage"`,
+and the generate node gets `stream_chunk` (samples per hand-off) and `migrate_below` (the unfinished fraction
+of the batch under which the long tail moves to the fewest generation workers that hold it). At run time
+(`flowrl.runtime.streaming`) generation hands finished samples downstream in chunks, the forwards run on each
+chunk while the tail still decodes, and results are put back in sample order, so every number downstream is
+the one the unfused step computes.
+"""
+
+from __future__ import annotations
+
+from flowrl.ir.graph import Graph, Node
+from flowrl.passes import register
+from flowrl.passes.common import forwards_over, position, rollouts
+
+MIN_STREAM_TOKENS = 16  # shorter responses all finish within a few steps: nothing worth streaming
+MIGRATE_BELOW = 0.2  # RLHFuse: migrate when about 20% of the samples are still decoding
+CHUNKS = 4  # hand-offs per rollout when every sample finished at an even pace
+MIN_CHUNK = 4  # samples: smaller forwards cost more per sample than they overlap
+
+
+def why_not_stream(graph: Graph, gen: Node) -> str | None:
+    """None when `gen` can stream finished samples downstream, else why it cannot (one per condition)."""
+    model = graph.model(str(gen.model))
+    if model.engine != "torch":
+        # Only flowrl's torch generation engine yields samples as they finish.
+        return f"{model.name} uses engine {model.engine!r}, which cannot hand samples over as they finish"
+    max_tokens = int(str(gen.attrs.get("max_tokens", 0)))
+    if max_tokens < MIN_STREAM_TOKENS:
+        # Every response is done within a handful of steps: no long tail to hide anything behind.
+        return f"max_tokens = {max_tokens} < {MIN_STREAM_TOKENS}: samples finish too close together to stream"
+    if not forwards_over(graph, gen):
+        # Nothing downstream to run while the tail decodes.
+        return "no logprobs/values/score call reads it"
+    return None
+
+
+def why_not_fuse(graph: Graph, gen: Node, forward: Node) -> str | None:
+    """None when `forward` can run on `gen`'s chunks during generation, else why not (one per condition)."""
+    engine = graph.model(str(forward.model)).engine
+    if engine != "torch":
+        # The forward is run by an engine flowrl does not drive chunk by chunk.
+        return f"{forward.model} uses engine {engine!r}"
+    between = graph.nodes[position(graph, gen.id) + 1 : position(graph, forward.id)]
+    update = next((n for n in between if n.op == "update" and n.model == forward.model), None)
+    if update is not None:
+        # It must see the weights after that update, which do not exist while generation runs.
+        return f"{update.id} runs before it, so it needs the updated weights"
+    if forward.attrs.get("fusion") not in (None, fusion_key(gen)):
+        # Already part of another fused stage.
+        return f"already fused in {forward.attrs.get('fusion')}"
+    return None
+
+
+def fusion_key(gen: Node) -> str:
+    return f"gen-infer:{gen.id}"
+
+
+def chunk_size(graph: Graph, gen: Node) -> int:
+    """Samples per hand-off: a quarter of the rollout (prompts per step x n), at least MIN_CHUNK."""
+    src = gen.input("prompts")
+    decl = next((d for d in graph.data if d.name == src), None)
+    prompts = int(str(decl.options.get("batch", 8))) if decl is not None else 8
+    samples = prompts * int(str(gen.attrs.get("n", 1)))
+    return max(MIN_CHUNK, -(-samples // CHUNKS))
+
+
+@register("fuse-gen-inference", "stream finished samples from generation into the forwards over the rollout "
+          "and migrate the long tail to few workers (RLHFuse inter-stage fusion)")
+def fuse_gen_inference(graph: Graph) -> tuple[Graph, list[str]]:
+    notes: list[str] = []
+    rewritten: dict[str, Node] = {}
+    for gen in rollouts(graph):
+        reason = why_not_stream(graph, gen)
+        if reason is not None:
+            notes.append(f"{gen.id}: not fused: {reason}")
+            continue
+        key = fusion_key(gen)
+        fused: list[Node] = []
+        for forward in forwards_over(graph, gen):
+            refusal = why_not_fuse(graph, gen, forward)
+            if refusal is not None:
+                notes.append(f"{forward.id}: not fused with {gen.id}: {refusal}")
+                continue
+            fused.append(forward)
+        if not fused:
+            notes.append(f"{gen.id}: not fused: no forward over it can run during generation")
+            continue
+        chunk = int(str(gen.attrs.get("stream_chunk", chunk_size(graph, gen))))
+        rewritten[gen.id] = gen.with_attrs(fusion=key, fusion_kind="inter-stage", stream_chunk=chunk,
+                                           migrate_below=MIGRATE_BELOW)
+        for forward in fused:
+            rewritten[forward.id] = forward.with_attrs(fusion=key, fusion_kind="inter-stage")
+        notes.append(f"{gen.id}: streams chunks of {chunk} finished samples into "
+                     f"{', '.join(f.id for f in fused)}; the tail migrates below {MIGRATE_BELOW:.0%} unfinished")
+    return graph.with_nodes([rewritten.get(n.id, n) for n in graph.nodes]), notes

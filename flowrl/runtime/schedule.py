@@ -1,0 +1,97 @@
+"""The fused training schedule of `fuse-train` (flowrl.runtime): updates that take turns micro-batch by micro-batch.
+
+`interleave(tasks)` runs each task in its own thread but lets only one run at a time: a task calls its `turn`
+callback before each micro-batch, which (after its first one) hands the turn to the next unfinished task,
+round robin. The result is the schedule actor mb 1, critic mb 1, actor mb 2, critic mb 2, ... with every
+task running its own code unchanged (`TrainEngine.step`, data-parallel all-reduce included), so each model's
+update computes exactly what it computes alone. Threads here are coroutines, not parallelism: the point is
+the order, which on a pipelined device is what fills one model's bubbles with the other's work.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import torch
+
+T = TypeVar("T")
+Turn = Callable[[str], None]  # called with a label ("actor:0") before each unit of work
+
+
+def torch_threads() -> Callable[[], None]:
+    """A call that gives the current thread's torch intra-op thread count to a new thread. Without it a
+    fresh thread's first ops run with the library default (every core) and, on a busy machine, many times
+    slower; so every thread flowrl starts calls this first."""
+    count = torch.get_num_threads()
+    return lambda: torch.set_num_threads(count)
+
+
+def interleave(tasks: Sequence[Callable[[Turn], T]]) -> tuple[list[T], list[str]]:
+    """Run `tasks` taking turns; returns their results and the labels in the order the units ran."""
+    cond = threading.Condition()
+    active = list(range(len(tasks)))
+    state = {"current": 0}
+    order: list[str] = []
+    results: list[Any] = [None] * len(tasks)
+    errors: list[BaseException | None] = [None] * len(tasks)
+
+    def pass_turn(i: int) -> None:  # with `cond` held
+        later = [j for j in active if j > i] or active
+        if later:
+            state["current"] = later[0]
+        cond.notify_all()
+
+    def wait_turn(i: int) -> None:  # with `cond` held
+        while state["current"] != i:
+            cond.wait()
+
+    init = torch_threads()
+
+    def body(i: int) -> None:
+        init()
+        units = 0
+
+        def turn(label: str) -> None:
+            nonlocal units
+            with cond:
+                if units:
+                    pass_turn(i)
+                    wait_turn(i)
+                order.append(label)
+                units += 1
+
+        with cond:
+            wait_turn(i)
+        try:
+            results[i] = tasks[i](turn)
+        except BaseException as e:  # re-raised in the caller; the other tasks still finish
+            errors[i] = e
+        finally:
+            with cond:
+                active.remove(i)
+                pass_turn(i)
+
+    threads = [threading.Thread(target=body, args=(i,), name=f"flowrl-interleave-{i}") for i in range(len(tasks))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for e in errors:
+        if e is not None:
+            raise e
+    return results, order
+
+
+def taking_turns(loss_fn: Callable[[Any], T], turn: Turn, name: str) -> Callable[[Any], T]:
+    """`loss_fn` that first waits for its turn; labels count micro-batches as `name:0`, `name:1`, ..."""
+    count = 0
+
+    def wrapped(mb: Any) -> T:
+        nonlocal count
+        turn(f"{name}:{count}")
+        count += 1
+        return loss_fn(mb)
+
+    return wrapped

@@ -1,0 +1,338 @@
+"""`fuse-gen-inference` at run time (flowrl.runtime): the controller-side scheduler of streamed generation.
+
+The controller hands a fused stage (a generate node plus the forwards over its rollout) to `run_gen_infer`.
+Each generation rank runs `ModelWorker.generate_stream`, which yields chunks of finished samples; the forwards
+run on each chunk while the rest is still decoding, and every result is put back in sample order at the end
+(`assemble`), so downstream nodes see the numbers the unfused step computes.
+
+- One rank (the local backend): generation and the chunk forwards interleave on the one worker.
+- Several ranks (any group with `world` and `on_rank(rank, method, ...)`, e.g. `flowrl.runtime.ranks`): each
+  rank is driven by a thread here. Finished chunks queue up; a rank whose generation is over takes forwards from
+  the queue. When fewer than `migrate_below` of the samples are still decoding, every rank hands its unfinished
+  rows over (`Tail`) and they resume together on the fewest ranks that hold them (those with the most rows),
+  so the other ranks are freed for the forwards (RLHFuse). Sampling state moves with the rows: same samples.
+"""
+
+from __future__ import annotations
+
+import math
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from flowrl.engines.streaming import GenChunk, Sampling, Tail
+from flowrl.ir.graph import Node
+from flowrl.models.tokenizer import Tokenizer
+from flowrl.runtime.batch import Batch
+from flowrl.runtime.schedule import torch_threads
+
+SCRATCH = ("sample", "pad")  # per-chunk bookkeeping tensors, dropped when chunks are assembled
+
+
+def sampling_of(attrs: Mapping[str, Any]) -> Sampling:
+    return Sampling(int(attrs.get("max_tokens", 256)), int(attrs.get("min_tokens", 0)),
+                    float(attrs.get("temperature", 1.0)), float(attrs.get("top_p", 1.0)))
+
+
+def chunk_of(attrs: Mapping[str, Any]) -> int:
+    return int(attrs.get("stream_chunk", 0) or 0) or 1 << 30  # no stream_chunk: one chunk at the end
+
+
+def rank_seed(step_seed: int, rank: int) -> int:
+    """Rank 0 samples with the step's seed (so one rank equals the unsharded run); others get their own."""
+    return step_seed if rank == 0 else (step_seed * 1_000_003 + rank * 7_919) % (2**31)
+
+
+def chunk_batches(stream: Iterator[GenChunk | Tail], tok: Tokenizer, n: int,
+                  attrs: Mapping[str, Any]) -> Iterator[Batch | Tail]:
+    """Engine chunks as rollout `Batch`es (the fields `ModelWorker.generate` returns, plus SCRATCH)."""
+    temperature = float(attrs.get("temperature", 1.0))
+    for item in stream:
+        if isinstance(item, Tail):
+            yield item
+            continue
+        size = int(item.samples.shape[0])
+        responses = [tok.decode([t for t, m in zip(r, mk, strict=True) if m]) for r, mk in
+                     zip(item.response_ids.tolist(), item.response_mask.tolist(), strict=True)]
+        tensors = {
+            "prompt_ids": item.prompt_ids.cpu(), "prompt_mask": item.prompt_mask.cpu(),
+            "response_ids": item.response_ids.cpu(), "response_mask": item.response_mask.cpu(),
+            "group_id": item.samples.cpu() // n, "temperature": torch.full((size,), temperature),
+            "gen_logp": item.logprobs.cpu(), "sample": item.samples.cpu(), "pad": torch.full((size,), tok.pad_id),
+        }
+        yield Batch(size, tensors, {"response": responses}, primary="response_ids")
+
+
+def assemble(batches: Sequence[Batch], samples: Sequence[torch.Tensor]) -> Batch:
+    """Chunk batches put back in sample order; 2-D tensors padded as one batch has them (responses on the
+    right, prompts on the left, token ids with the tokenizer's pad)."""
+    pad = int(batches[0]["pad"][0]) if "pad" in batches[0].tensors else 0
+    order = torch.argsort(torch.cat(list(samples)))
+    tensors = {}
+    for key in (k for k in batches[0].tensors if k not in SCRATCH):
+        parts = [b.tensors[key] for b in batches]
+        fill = pad if key in ("prompt_ids", "response_ids") else 0
+        tensors[key] = _cat(parts, left=key.startswith("prompt_"), fill=fill)[order]
+    rows = order.tolist()
+    meta = {k: [x for b in batches for x in b.meta[k]] for k in batches[0].meta}
+    return Batch(len(rows), tensors, {k: [v[i] for i in rows] for k, v in meta.items()}, batches[0].primary)
+
+
+def _cat(parts: list[torch.Tensor], left: bool, fill: int) -> torch.Tensor:
+    if parts[0].dim() < 2:
+        return torch.cat(parts)
+    width = max(p.shape[1] for p in parts)
+    out = []
+    for p in parts:
+        gap = p.new_full((p.shape[0], width - p.shape[1], *p.shape[2:]), fill)
+        out.append(torch.cat([gap, p] if left else [p, gap], dim=1))
+    return torch.cat(out)
+
+
+class RankGroup(Protocol):
+    """A worker group whose ranks can be called one by one (what streaming with several ranks needs)."""
+
+    world: int
+
+    def on_rank(self, rank: int, method: str, *args: Any, **kwargs: Any) -> Any: ...
+
+
+class _OneRank:
+    """A one-rank in-process group (the local backend) seen as a RankGroup."""
+
+    world = 1
+
+    def __init__(self, group: Any):
+        self.group = group
+
+    def on_rank(self, rank: int, method: str, *args: Any, **kwargs: Any) -> Any:
+        return self.group.call(method, *args, **kwargs).result()
+
+
+def rank_group(group: Any) -> RankGroup | None:
+    """The group as a RankGroup, or None when it cannot stream (a remote group without `on_rank`)."""
+    if hasattr(group, "on_rank"):
+        ranks: RankGroup = group
+        return ranks
+    if int(getattr(group, "world", 1)) == 1 and isinstance(getattr(group, "workers", None), dict):
+        return _OneRank(group)
+    return None
+
+
+@dataclass
+class Timed:
+    """One piece of work of the stage: which rank ran it and when (seconds, perf_counter)."""
+
+    what: str
+    rank: int
+    start: float
+    end: float
+
+
+class _Control:
+    """Per-rank StreamControl: progress in, the export request out (thread-safe through the scheduler)."""
+
+    def __init__(self, sched: GenInfer, rank: int, migratable: bool):
+        self.sched, self.rank, self.migratable = sched, rank, migratable
+
+    def progress(self, remaining: int) -> None:
+        if self.migratable:
+            self.sched.progress(self.rank, remaining)
+
+    def should_export(self) -> bool:
+        return self.migratable and self.rank in self.sched.exporting
+
+
+class GenInfer:
+    """One step's fused generation + forwards over a RankGroup (see the module docstring)."""
+
+    def __init__(self, ranks: RankGroup, gen: Node, forwards: Sequence[Node], prompts: Batch, step_seed: int,
+                 other: Mapping[str, Any]):
+        self.ranks, self.gen, self.forwards, self.prompts = ranks, gen, list(forwards), prompts
+        self.step_seed, self.other = step_seed, other  # other: worker groups of forwards placed elsewhere
+        self.attrs = dict(gen.attrs)
+        self.n = int(str(self.attrs.get("n", 1)))
+        self.total = prompts.size * self.n
+        self.chunks: list[Batch] = []
+        self.results: dict[str, list[tuple[int, Batch]]] = {f.id: [] for f in self.forwards}
+        self.timeline: list[Timed] = []
+        self.arrivals: list[float] = []
+        self.migrated = 0
+        self.lock = threading.Lock()
+        self.remaining: dict[int, int] = {}
+        self.exporting: set[int] = set()
+        self.triggered = False
+
+    # -- the two drivers -------------------------------------------------------------------------------
+    def run(self) -> tuple[Batch, dict[str, Batch], dict[str, float]]:
+        start = time.perf_counter()
+        if self.ranks.world == 1:
+            self._run_inline()
+        else:
+            self._run_threads()
+        return self._finish(start)
+
+    def _run_inline(self) -> None:
+        """One rank: each chunk's forwards run as soon as it arrives, then decoding resumes."""
+        stream = self.ranks.on_rank(0, "generate_stream", self.gen.model, self.prompts, self.attrs,
+                                    step_seed=self.step_seed)
+        t0 = time.perf_counter()
+        for batch in stream:
+            self.timeline.append(Timed("generate", 0, t0, time.perf_counter()))
+            cid = self._add_chunk(batch)
+            for node in self.forwards:
+                self._forward(0, cid, node)
+            t0 = time.perf_counter()
+
+    def _run_threads(self) -> None:
+        events: queue.Queue[tuple[Any, ...]] = queue.Queue()
+        jobs: list[queue.Queue[Any]] = [queue.Queue() for _ in range(self.ranks.world)]
+        init = torch_threads()
+        threads = [threading.Thread(target=self._rank_loop, args=(r, jobs[r], events, init), daemon=True,
+                                    name=f"flowrl-rank-{r}") for r in range(self.ranks.world)]
+        for t in threads:
+            t.start()
+        try:
+            self._schedule(jobs, events)
+        finally:
+            for q in jobs:
+                q.put(None)
+            for t in threads:
+                t.join()
+
+    def _schedule(self, jobs: list[queue.Queue[Any]], events: queue.Queue[tuple[Any, ...]]) -> None:
+        shards = self.prompts.split(self.ranks.world)
+        offsets = [sum(s.size for s in shards[:i]) for i in range(len(shards))]
+        capacity = math.ceil(self.total / max(1, len(shards)))
+        generating: set[int] = set()
+        for r, (shard, first) in enumerate(zip(shards, offsets, strict=True)):
+            self.remaining[r] = shard.size * self.n
+            generating.add(r)
+            jobs[r].put(("stream", "generate_stream", (self.gen.model, shard, self.attrs),
+                         dict(step_seed=rank_seed(self.step_seed, r), first_prompt=first,
+                              control=_Control(self, r, True))))
+        busy = set(generating)
+        pending: deque[tuple[int, Node]] = deque()
+        tails: dict[int, Tail] = {}
+        held: set[int] = set()  # ranks asked to export, kept idle until every tail is in
+        while generating or pending or busy:
+            kind, rank, *payload = events.get()
+            if kind == "error":
+                raise payload[0]
+            if kind == "chunk":
+                cid = self._add_chunk(payload[0])
+                pending.extend((cid, node) for node in self.forwards)
+            elif kind == "tail":
+                tails[rank] = payload[0]
+            elif kind in ("stream_end", "done"):
+                busy.discard(rank)
+                if kind == "stream_end":
+                    generating.discard(rank)
+                    if rank in self.exporting:
+                        held.add(rank)
+            if self.exporting and held >= self.exporting:
+                for dest, group in self._destinations(tails, capacity).items():
+                    jobs[dest].put(("stream", "resume_stream", (self.gen.model, group, self.attrs),
+                                    dict(control=_Control(self, dest, False))))
+                    generating.add(dest)
+                    busy.add(dest)
+                self.exporting, held, tails = set(), set(), {}
+            for r in range(self.ranks.world):
+                if r not in busy and r not in held and pending:
+                    cid, node = pending.popleft()
+                    busy.add(r)
+                    jobs[r].put(("forward", cid, node))
+
+    def _rank_loop(self, rank: int, jobs: queue.Queue[Any], events: queue.Queue[tuple[Any, ...]],
+                   init: Callable[[], None]) -> None:
+        init()
+        while (job := jobs.get()) is not None:
+            try:
+                if job[0] == "stream":
+                    _, method, args, kwargs = job
+                    t0 = time.perf_counter()
+                    for item in self.ranks.on_rank(rank, method, *args, **kwargs):
+                        now = time.perf_counter()
+                        self.timeline.append(Timed("generate", rank, t0, now))
+                        events.put(("tail" if isinstance(item, Tail) else "chunk", rank, item))
+                        t0 = time.perf_counter()
+                    with self.lock:  # before the event: a later trigger must not count these rows
+                        self.remaining[rank] = 0
+                    events.put(("stream_end", rank))
+                else:
+                    self._forward(rank, job[1], job[2])
+                    events.put(("done", rank))
+            except BaseException as e:  # surfaced by the scheduler, which then stops every rank
+                events.put(("error", rank, e))
+
+    # -- pieces --------------------------------------------------------------------------------------
+    def progress(self, rank: int, remaining: int) -> None:
+        """Called by rank threads each decode step; fires the migration once (RLHFuse's trigger)."""
+        with self.lock:
+            self.remaining[rank] = remaining
+            left = sum(self.remaining.values())
+            if not self.triggered and 0 < left < float(str(self.attrs.get("migrate_below", 0.2))) * self.total:
+                self.triggered = True
+                self.exporting = {r for r, k in self.remaining.items() if k > 0}
+
+    def _destinations(self, tails: Mapping[int, Tail], capacity: int) -> dict[int, list[Tail]]:
+        """The fewest ranks that hold every unfinished row; the ranks with the most rows keep theirs."""
+        if not tails:
+            return {}
+        rows = sum(len(t.samples) for t in tails.values())
+        order = sorted(tails, key=lambda r: (-len(tails[r].samples), r))
+        dests = order[: max(1, math.ceil(rows / max(capacity, 1)))]
+        out: dict[int, list[Tail]] = {d: [] for d in dests}
+        load = dict.fromkeys(dests, 0)
+        for r in order:
+            dest = r if r in out else min(dests, key=lambda d: (load[d], d))
+            out[dest].append(tails[r])
+            load[dest] += len(tails[r].samples)
+            if dest != r:
+                self.migrated += len(tails[r].samples)
+        return out
+
+    def _add_chunk(self, batch: Batch) -> int:
+        """Record a chunk, with the prompt fields `generate` gives its rows (by global prompt index)."""
+        groups = batch["group_id"].tolist()
+        meta = {k: [v[g] for g in groups] for k, v in self.prompts.meta.items()}
+        meta["response"] = batch.meta["response"]
+        with self.lock:
+            self.chunks.append(Batch(batch.size, batch.tensors, meta, batch.primary))
+            self.arrivals.append(time.perf_counter())
+            return len(self.chunks) - 1
+
+    def _forward(self, rank: int, cid: int, node: Node) -> None:
+        chunk = self.chunks[cid]
+        t0 = time.perf_counter()
+        if node.worker_group in self.other:  # placed on another group: that group runs it whole
+            out = self.other[node.worker_group].call(node.op, node.model, chunk, dict(node.attrs),
+                                                     dispatch=node.dispatch).result()
+        else:
+            out = self.ranks.on_rank(rank, node.op, node.model, chunk, dict(node.attrs))
+        with self.lock:
+            self.results[node.id].append((cid, out))
+            self.timeline.append(Timed(node.id, rank, t0, time.perf_counter()))
+
+    def _finish(self, start: float) -> tuple[Batch, dict[str, Batch], dict[str, float]]:
+        samples = [c["sample"] for c in self.chunks]
+        rollout = assemble(self.chunks, samples)
+        outs = {}
+        for node_id, parts in self.results.items():
+            parts.sort(key=lambda p: p[0])
+            outs[node_id] = assemble([b for _, b in parts], [samples[c] for c, _ in parts])
+        gen_end = max(self.arrivals)
+        infer = [t for t in self.timeline if t.what != "generate"]
+        busy = sum(t.end - t.start for t in infer)
+        overlap = sum(max(0.0, min(t.end, gen_end) - t.start) for t in infer)
+        metrics = {"fusion/chunks": float(len(self.chunks)), "fusion/migrated": float(self.migrated),
+                   "fusion/workers": float(self.ranks.world), "fusion/gen_s": gen_end - start,
+                   "fusion/infer_s": busy, "fusion/overlap_s": overlap,
+                   "fusion/overlap_frac": overlap / busy if busy > 0 else 0.0}
+        return rollout, outs, metrics

@@ -1,0 +1,242 @@
+"""fuse-gen-inference: when it fuses, each refusal, idempotence, and equal numbers with and without it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from flowrl.engines.generation import generate
+from flowrl.engines.streaming import GenChunk, Sampling, Tail, generate_stream, resume_stream
+from flowrl.ir.graph import Graph
+from flowrl.models.build import ModelSpec, build_model
+from flowrl.models.tokenizer import ByteTokenizer
+from flowrl.passes.fuse_gen_inference import fuse_gen_inference
+from flowrl.runtime.batch import Batch
+from flowrl.runtime.ranks import ThreadedLocalBackend
+from flowrl.runtime.streaming import assemble
+
+from .conftest import MODEL, assert_same_numbers, passes, run_steps
+
+FUSED = ("rollout", "old_logp", "ref_logp", "values", "scores")
+
+
+def fused(g: Graph) -> list[str]:
+    return [n.id for n in g.nodes if n.attrs.get("fusion") == "gen-infer:rollout"]
+
+
+def test_fuses_generation_with_the_forwards_over_its_rollout(ppo: Callable[..., Graph]) -> None:
+    g, notes = fuse_gen_inference(ppo(n=4, batch=4))
+    assert fused(g) == list(FUSED)
+    gen = g.node("rollout")
+    assert (gen.attrs["fusion_kind"], gen.attrs["stream_chunk"], gen.attrs["migrate_below"]) == ("inter-stage", 4, 0.2)
+    assert all(g.node(i).attrs["fusion_kind"] == "inter-stage" for i in FUSED)
+    assert notes == ["rollout: streams chunks of 4 finished samples into old_logp, ref_logp, values, scores; "
+                     "the tail migrates below 20% unfinished"]
+
+
+NO_FORWARDS = f"""
+model actor : policy {{ {MODEL} }}
+reward correct = "flowrl.rewards.arith_exact"
+data prompts = jsonl("data.jsonl") {{ batch = 4 }}
+step {{
+    rollout = actor.generate(prompts, n = 4, max_tokens = 16)
+    scores  = correct(rollout)
+    adv     = group_advantage(scores, group = 4)
+    actor.update(rollout, advantages = adv)
+}}
+"""
+UPDATE_FIRST = """actor.update(rollout, old_logp = old_logp, ref_logp = ref_logp, advantages = adv)
+    late = actor.logprobs(rollout)
+    critic.update(rollout, values = values, returns = adv)"""
+
+
+def _already_fused(g: Graph) -> Graph:
+    return g.with_nodes([n.with_attrs(fusion="mine") if n.id == "values" else n for n in g.nodes])
+
+
+GEN_REFUSALS: list[tuple[str, dict[str, Any], str]] = [
+    ("engine", dict(actor_extra=', engine = "vllm"'),
+     "rollout: not fused: actor uses engine 'vllm', which cannot hand samples over as they finish"),
+    ("short responses", dict(max_tokens=8),
+     "rollout: not fused: max_tokens = 8 < 16: samples finish too close together to stream"),
+    ("no forwards", dict(text=NO_FORWARDS), "rollout: not fused: no logprobs/values/score call reads it"),
+]
+
+
+@pytest.mark.parametrize(("build", "note"), [r[1:] for r in GEN_REFUSALS], ids=[r[0] for r in GEN_REFUSALS])
+def test_refuses_the_rollout(ppo: Callable[..., Graph], build: dict[str, Any], note: str) -> None:
+    g = ppo(**build)
+    out, notes = fuse_gen_inference(g)
+    assert out == g and notes == [note]
+
+
+FORWARD_REFUSALS: list[tuple[str, dict[str, Any], Callable[[Graph], Graph], str, str]] = [
+    ("engine", dict(critic_extra=', engine = "deepspeed"'), lambda g: g, "values",
+     "values: not fused with rollout: critic uses engine 'deepspeed'"),
+    ("updated before", dict(body=UPDATE_FIRST), lambda g: g, "late",
+     "late: not fused with rollout: actor.update runs before it, so it needs the updated weights"),
+    ("already fused", {}, _already_fused, "values", "values: not fused with rollout: already fused in mine"),
+]
+
+
+@pytest.mark.parametrize(("build", "edit", "node", "note"), [r[1:] for r in FORWARD_REFUSALS],
+                         ids=[r[0] for r in FORWARD_REFUSALS])
+def test_refuses_one_forward_and_fuses_the_rest(ppo: Callable[..., Graph], build: dict[str, Any],
+                                                edit: Callable[[Graph], Graph], node: str, note: str) -> None:
+    g, notes = fuse_gen_inference(edit(ppo(**build)))
+    assert node not in fused(g) or g.node(node).attrs.get("fusion") == "mine"
+    assert set(fused(g)) == set(FUSED) - {node}
+    assert notes[0] == note
+
+
+def test_idempotent(ppo: Callable[..., Graph]) -> None:
+    once = passes(ppo(), "fuse-gen-inference")
+    twice = passes(once, "fuse-gen-inference")
+    assert twice.nodes == once.nodes and [p.changed for p in twice.passes] == [True, False]
+
+
+# -- the runtime: engines/streaming.py and runtime/streaming.py -------------------------------------------
+
+TOK = ByteTokenizer()
+PROMPTS = [[TOK.bos_id, *TOK.encode(s)] for s in ["hello world", "hi", "a somewhat longer prompt", "xyz"]]
+
+
+def _policy(family: str) -> Any:
+    module: Any = build_model(ModelSpec(f"tiny:{family}", {"layers": 2, "dim": 32, "heads": 2}), seed=0).module
+    bias = torch.zeros(module.config.vocab_size)
+    bias[TOK.eos_id] = 2.5  # random tiny models rarely stop: make lengths vary within a few steps
+    module.get_output_embeddings().register_forward_hook(lambda _m, _i, out: out + bias)
+    return module
+
+
+def _place(out: dict[str, torch.Tensor], item: GenChunk) -> None:
+    width = item.response_ids.shape[1]
+    out["ids"][item.samples, :width] = item.response_ids
+    out["lp"][item.samples, :width] = item.logprobs
+    out["mask"][item.samples, :width] = item.response_mask
+
+
+def _empty(rows: int, width: int) -> dict[str, torch.Tensor]:
+    return {"ids": torch.full((rows, width), TOK.pad_id), "lp": torch.zeros(rows, width),
+            "mask": torch.zeros(rows, width, dtype=torch.long)}
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("kw", [dict(temperature=1.0), dict(temperature=0.7, top_p=0.9, min_tokens=3)])
+def test_a_stream_yields_exactly_the_samples_of_generate(family: str, kw: dict[str, Any]) -> None:
+    module = _policy(family)
+    ref = generate(module, TOK, PROMPTS, n=4, max_tokens=30, generator=torch.Generator().manual_seed(3), **kw)
+    sampling = Sampling(30, kw.get("min_tokens", 0), kw["temperature"], kw.get("top_p", 1.0))
+    got = _empty(16, ref.response_ids.shape[1])
+    chunks = list(generate_stream(module, TOK, PROMPTS, n=4, sampling=sampling, chunk=3,
+                                  generator=torch.Generator().manual_seed(3)))
+    assert len(chunks) > 2
+    for item in chunks:
+        assert isinstance(item, GenChunk)
+        _place(got, item)
+    assert torch.equal(got["ids"], ref.response_ids) and torch.equal(got["lp"], ref.logprobs)
+    assert torch.equal(got["mask"], ref.response_mask)
+
+
+class _ExportAfter:
+    def __init__(self, steps: int):
+        self.steps, self.seen = steps, 0
+
+    def progress(self, remaining: int) -> None:
+        self.seen += 1
+
+    def should_export(self) -> bool:
+        return self.seen >= self.steps
+
+
+@pytest.mark.parametrize("after", [1, 5])
+def test_migrated_tails_resumed_together_sample_what_each_rank_would(after: int) -> None:
+    module, sampling = _policy("gpt2"), Sampling(40, 0, 1.0, 1.0)
+    shards = [PROMPTS[:2], PROMPTS[2:]]
+    want = _empty(16, 40)
+    for r, shard in enumerate(shards):  # unfused: each rank generates its shard to the end
+        out = generate(module, TOK, shard, n=4, max_tokens=40, generator=torch.Generator().manual_seed(10 + r))
+        width = out.response_ids.shape[1]
+        want["ids"][8 * r : 8 * r + 8, :width], want["lp"][8 * r : 8 * r + 8, :width] = out.response_ids, out.logprobs
+    got, tails = _empty(16, 40), []
+    for r, shard in enumerate(shards):
+        for item in generate_stream(module, TOK, shard, n=4, sampling=sampling, chunk=2, first_sample=8 * r,
+                                    generator=torch.Generator().manual_seed(10 + r), control=_ExportAfter(after + r)):
+            if isinstance(item, Tail):
+                tails.append(item)
+            else:
+                _place(got, item)
+    assert len(tails) == 2 and tails[0].mask.shape[1] != tails[1].mask.shape[1]  # different cache widths
+    for item in resume_stream(module, TOK, tails, sampling=sampling, chunk=2):
+        assert isinstance(item, GenChunk)
+        _place(got, item)
+    assert torch.equal(got["ids"], want["ids"])
+    assert (got["lp"] - want["lp"]).abs().max() <= 1e-5
+
+
+def test_assemble_restores_sample_order_and_padding() -> None:
+    def chunk(samples: list[int], width: int) -> Batch:
+        size = len(samples)
+        return Batch(size, {"response_ids": torch.ones(size, width, dtype=torch.long),
+                            "prompt_ids": torch.ones(size, 2, dtype=torch.long),
+                            "sample": torch.tensor(samples), "pad": torch.full((size,), 9)},
+                     {"response": [str(s) for s in samples]})
+
+    parts = [chunk([2, 0], 1), chunk([1], 3)]
+    out = assemble(parts, [p["sample"] for p in parts])
+    assert out.meta["response"] == ["0", "1", "2"] and set(out.tensors) == {"response_ids", "prompt_ids"}
+    assert out["response_ids"].tolist() == [[1, 9, 9], [1, 1, 1], [1, 9, 9]]
+
+
+def test_a_run_computes_the_same_numbers_with_and_without_it(ppo: Callable[..., Graph]) -> None:
+    g = ppo(n=4, batch=4)
+    on = run_steps(passes(g, "fuse-gen-inference"))
+    assert on[0].metrics["fusion/chunks"] >= 2 and on[0].metrics["fusion/workers"] == 1
+    assert_same_numbers(on, run_steps(passes(g)))
+
+
+def test_two_ranks_migrate_the_tail_and_compute_the_same_numbers(ppo: Callable[..., Graph]) -> None:
+    g = passes(ppo(n=4, batch=4), "fuse-gen-inference")
+    eager = g.with_nodes([n.with_attrs(migrate_below=0.9) if n.id == "rollout" else n for n in g.nodes])
+    on = run_steps(eager, backend=ThreadedLocalBackend(2))
+    assert all(r.metrics["fusion/workers"] == 2 for r in on)
+    assert_same_numbers(on, run_steps(passes(ppo(n=4, batch=4)), backend=ThreadedLocalBackend(2)))
+
+
+class _RemoteLike(ThreadedLocalBackend):
+    """Ranks the scheduler cannot drive one by one (no `on_rank`): the stage must run unfused."""
+
+    def start(self, graph: Graph, *, seed: int, device: str) -> dict[str, Any]:
+        groups = super().start(graph, seed=seed, device=device)
+        return {name: _NoRanks(g) for name, g in groups.items()}
+
+
+class _NoRanks:
+    def __init__(self, inner: Any):
+        self.inner, self.name, self.world = inner, inner.name, inner.world
+
+    def call(self, *args: Any, **kwargs: Any) -> Any:
+        return self.inner.call(*args, **kwargs)
+
+
+def test_a_group_that_cannot_stream_runs_the_stage_unfused(ppo: Callable[..., Graph]) -> None:
+    g = ppo(n=4, batch=4)
+    on = run_steps(passes(g, "fuse-gen-inference"), steps=1, backend=_RemoteLike(2))
+    assert on[0].metrics["fusion/fallback"] == 1.0
+    assert_same_numbers(on, run_steps(passes(g), steps=1, backend=ThreadedLocalBackend(2)))
+
+
+@pytest.mark.slow  # spawns two rank processes (~10 s of imports)
+def test_process_ranks_stream_migrate_and_train_data_parallel(ppo: Callable[..., Graph]) -> None:
+    """Two spawned rank processes (streams and export requests over pipes, gloo all-reduce in the update)
+    compute what two in-process ranks compute."""
+    from flowrl.runtime.procs import ProcessBackend
+
+    g = passes(ppo(n=4, batch=4), "fuse-gen-inference", "fuse-train")
+    eager = g.with_nodes([n.with_attrs(migrate_below=0.9) if n.id == "rollout" else n for n in g.nodes])
+    on = run_steps(eager, steps=2, backend=ProcessBackend(2))
+    assert on[0].metrics["fusion/workers"] == 2
+    assert_same_numbers(on, run_steps(passes(ppo(n=4, batch=4)), steps=2, backend=ThreadedLocalBackend(2)))

@@ -1,0 +1,52 @@
+"""The rewrite passes together: pipeline order, switching off, --explain, viz, and the long-tail examples."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from flowrl.cli import compile_file, main
+from flowrl.passes import REGISTRY, names, select
+from flowrl.viz.views import draw
+
+from .conftest import run_steps
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+PASSES = ["share-prefix", "fuse-gen-inference", "fuse-train"]
+
+
+def test_registered_in_pipeline_order_and_on_by_default() -> None:
+    assert names()[: len(PASSES)] == PASSES
+    assert [p.name for p in select()][: len(PASSES)] == PASSES
+    assert all(p.default for p in REGISTRY if p.name in PASSES)
+
+
+@pytest.mark.parametrize("off", PASSES)
+def test_each_pass_switches_off(off: str) -> None:
+    g = compile_file(str(EXAMPLES / "longtail_ppo.flow"), no_pass=[off])
+    assert [p.name for p in g.passes] == [p for p in PASSES if p != off]
+    attr = {"share-prefix": "share_prefix", "fuse-gen-inference": "stream_chunk", "fuse-train": "schedule"}[off]
+    assert not any(attr in n.attrs for n in g.nodes)
+
+
+def test_explain_says_what_each_pass_did(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["compile", str(EXAMPLES / "longtail_ppo.flow"), "--explain"]) == 0
+    out = capsys.readouterr().out
+    assert "rollout = actor.generate(prompts=prompts) {fusion=\"gen-infer:rollout\", fusion_kind=\"inter-stage\"" in out
+    assert "pass share-prefix: changed the graph" in out
+    assert "  - rollout: streams chunks of 32 finished samples into old_logp, ref_logp, values, scores" in out
+    assert "  - actor.update + critic.update: one training stage, interleave in worker group colocated" in out
+
+
+def test_optimized_view_boxes_both_fused_stages() -> None:
+    source = draw(compile_file(str(EXAMPLES / "longtail_ppo.flow")), "optimized").source
+    assert source.count("subgraph cluster_fusion") == 2
+    assert "inter-stage" in source and "intra-stage" in source
+
+
+@pytest.mark.parametrize("flow", ["longtail_grpo", "longtail_ppo"])
+def test_long_tail_examples_run(flow: str) -> None:
+    g = compile_file(str(EXAMPLES / f"{flow}.flow"), ["prompts.batch=2", "actor.dim=32", "actor.layers=1"])
+    row = run_steps(g, steps=1)[0].metrics
+    assert row["fusion/chunks"] >= 1 and "reward_mean" in row

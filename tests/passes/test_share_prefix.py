@@ -1,0 +1,179 @@
+"""share-prefix: when it marks a rollout, each refusal, idempotence, and equal numbers with and without it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+import pytest
+import torch
+
+from flowrl.engines import prefix
+from flowrl.engines.forward import forward_logprobs, forward_values
+from flowrl.engines.generation import generate
+from flowrl.engines.prefix import shared_logprobs, shared_values
+from flowrl.engines.trie import PrefixTrie, plan_prefixes
+from flowrl.ir.graph import Graph, frozen
+from flowrl.models.build import ModelSpec, build_model
+from flowrl.models.tokenizer import ByteTokenizer
+from flowrl.passes.share_prefix import MIN_LEN, share_prompt_prefix
+
+from .conftest import PPO_UPDATES, SYSTEM, assert_same_numbers, passes, run_steps
+
+FORWARDS = ("old_logp", "ref_logp", "values", "scores")
+
+
+def marked(g: Graph) -> list[str]:
+    return [n.id for n in g.nodes if n.attrs.get("share_prefix")]
+
+
+def test_marks_generation_and_every_forward_over_the_rollout(ppo: Callable[..., Graph]) -> None:
+    g, notes = share_prompt_prefix(ppo(n=4))
+    assert marked(g) == ["rollout", *FORWARDS]
+    assert all(g.node(i).attrs["prefix_min_len"] == MIN_LEN for i in marked(g))
+    assert notes == ["rollout: n = 4 samples share each prompt and prompts in `prompts` share prefixes of >= 16 "
+                     "tokens: prefixes computed once in rollout, old_logp, ref_logp, values, scores"]
+
+
+def test_one_sample_per_prompt_still_shares_a_common_opening(ppo: Callable[..., Graph]) -> None:
+    g, notes = share_prompt_prefix(ppo(n=1))
+    assert marked(g) == ["rollout", *FORWARDS]
+    assert "prompts in `prompts` share prefixes of >= 16 tokens" in notes[0]
+
+
+def _prompts_from_a_function(g: Graph) -> Graph:
+    data = g.node("prompts")
+    made = replace(data, op="fn", attrs=frozen({"fn": "make_prompts"}))
+    return g.with_nodes([made if n.id == "prompts" else n for n in g.nodes])
+
+
+REFUSALS: list[tuple[str, dict[str, Any], Callable[[Graph], Graph], str]] = [
+    ("engine", dict(actor_extra=', engine = "vllm"'), lambda g: g,
+     "rollout: not shared: actor uses engine 'vllm', which manages its own prefix cache"),
+    ("short prompts", dict(prompts=["1+2=", "3+4="]), lambda g: g,
+     "rollout: not shared: every prompt in `prompts` is at most 5 tokens, under prefix_min_len = 16"),
+    ("n=1, prompts made in the step", dict(n=1), _prompts_from_a_function,
+     "rollout: not shared: n = 1 and the prompts are not read from a data file, so no prefix is known to repeat"),
+    ("n=1, no common opening", dict(n=1, prompts=[f"{i}{SYSTEM}" for i in range(8)]), lambda g: g,
+     "rollout: not shared: n = 1 and no two prompts in `prompts` share their first 16 tokens"),
+]
+
+
+@pytest.mark.parametrize(("build", "edit", "note"), [r[1:] for r in REFUSALS], ids=[r[0] for r in REFUSALS])
+def test_refuses(ppo: Callable[..., Graph], build: dict[str, Any], edit: Callable[[Graph], Graph],
+                 note: str) -> None:
+    g = edit(ppo(**build))
+    out, notes = share_prompt_prefix(g)
+    assert out == g
+    assert notes == [note]
+
+
+def test_refuses_a_forward_on_another_engine_but_shares_the_rest(ppo: Callable[..., Graph]) -> None:
+    g, notes = share_prompt_prefix(ppo(critic_extra=', engine = "deepspeed"'))
+    assert marked(g) == ["rollout", "old_logp", "ref_logp", "scores"]
+    assert notes[0] == "values: not shared: critic uses engine 'deepspeed'"
+
+
+def test_idempotent(ppo: Callable[..., Graph]) -> None:
+    once = passes(ppo(), "share-prefix")
+    twice = passes(once, "share-prefix")
+    assert twice.nodes == once.nodes
+    assert [p.changed for p in twice.passes] == [True, False]
+
+
+# -- the runtime: engines/prefix.py ------------------------------------------------------------------------
+
+TOK = ByteTokenizer()
+
+
+def test_trie_groups_prompts_by_their_common_opening() -> None:
+    trie = PrefixTrie()
+    for p in ([1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 9], [1, 2, 3, 4, 5, 6, 7, 8], [7, 7, 7, 7, 7], [1, 2, 8, 8, 8]):
+        trie.insert(p)
+    # [1, 2, 3, 4] is common to prompts 0-2; prompt 1 ends one token later, so its own last token stays its own.
+    assert trie.groups(min_len=3) == [(4, [0, 1, 2])]
+    assert trie.groups(min_len=2) == [(2, [0, 1, 2, 4])]
+    assert trie.groups(min_len=5) == [(5, [0, 2])]
+    assert trie.groups(min_len=6) == []
+
+
+SYSTEM_PROMPTS = [SYSTEM + "hello world", SYSTEM + "hi", "a somewhat longer prompt", "xyz", SYSTEM + "2+2"]
+DISTINCT = ["hello world, how are you", "hi", "a somewhat longer prompt", "xyz"]  # no common opening
+
+
+def _rollout(family: str, texts: list[str] = SYSTEM_PROMPTS) -> Any:
+    policy = build_model(ModelSpec(f"tiny:{family}", {"layers": 2, "dim": 32, "heads": 2}), seed=0).module
+    prompts = [[TOK.bos_id, *TOK.encode(t)] for t in texts]
+    out = generate(policy, TOK, prompts, n=3, max_tokens=9, generator=torch.Generator().manual_seed(0))
+    return policy, (out.prompt_ids, out.prompt_mask, out.response_ids, out.response_mask)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("min_len", [4, 16])
+@pytest.mark.parametrize("layout", ["packed", "copies", "eager"])
+def test_shared_forwards_equal_the_plain_forward(family: str, min_len: int, layout: str,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a trie group: prefix once, each prompt's rest once, then the responses (packed or on copies)."""
+    policy, args = _rollout(family)
+    critic = build_model(ModelSpec(f"tiny:{family}", {"layers": 2, "dim": 32, "heads": 2}, role="critic"), 1).module
+    if layout == "copies":  # every sample attends to its own copy of its prompt's cache
+        monkeypatch.setattr(prefix, "PACK_LIMIT", 0)
+    if layout == "eager":  # packed rows with a float mask (eager attention adds it to the scores)
+        for model in (policy, critic):
+            monkeypatch.setattr(model.config, "_attn_implementation", "eager")
+    plan = plan_prefixes(args[0], args[1], min_len)
+    assert len(plan.unique) == 5 and plan.groups and plan.saved_tokens > 0
+    plain = forward_logprobs(policy, *args, temperature=0.7)
+    shared = shared_logprobs(policy, *args, temperature=0.7, min_len=min_len, pad=TOK.pad_id)
+    assert shared is not None and (shared - plain).abs().max() <= 1e-5
+    for micro in (0, 4):
+        values = shared_values(critic, *args, min_len=min_len, micro_batch=micro, pad=TOK.pad_id)
+        assert values is not None and (values - forward_values(critic, *args)).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("eager", [False, True])
+def test_prompts_and_packed_samples_in_one_forward_equal_the_plain_forward(family: str, eager: bool,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """No trie group and nothing computed yet: [prompt | its samples packed] in a single call per prompt."""
+    policy, args = _rollout(family, DISTINCT)
+    if eager:
+        monkeypatch.setattr(policy.config, "_attn_implementation", "eager")
+    calls: list[int] = []
+    single = prefix._single_pass
+    monkeypatch.setattr(prefix, "_single_pass", lambda *a: calls.append(1) or single(*a))
+    for micro in (0, 6):
+        prefix._CACHES.clear()
+        shared = shared_logprobs(policy, *args, temperature=0.7, min_len=16, micro_batch=micro, pad=TOK.pad_id)
+        assert shared is not None and (shared - forward_logprobs(policy, *args, temperature=0.7)).abs().max() <= 1e-5
+    assert calls == [1, 1, 1]  # one call for the whole rollout, then two micro-batches of two prompts
+
+
+def test_nothing_worth_sharing_falls_back_to_the_plain_forward() -> None:
+    policy, args = _rollout("gpt2")
+    assert shared_logprobs(policy, *args, min_len=100, pad=TOK.pad_id) is None  # every prompt is shorter
+
+
+def test_a_run_computes_the_same_numbers_with_and_without_it(ppo: Callable[..., Graph]) -> None:
+    g = ppo(n=4, body=PPO_UPDATES)
+    assert_same_numbers(run_steps(passes(g)), run_steps(passes(g, "share-prefix")))
+
+
+def test_computed_prompts_are_reused_until_the_weights_change(monkeypatch: pytest.MonkeyPatch) -> None:
+    policy, args = _rollout("gpt2")
+    calls: list[int] = []  # prompts computed by each call that computes prompts
+    single, prefill = prefix._single_pass, prefix.prefill
+    monkeypatch.setattr(prefix, "_single_pass", lambda m, ids, *a: calls.append(len(set(a[1].tolist()))) or
+                        single(m, ids, *a))
+    monkeypatch.setattr(prefix, "prefill", lambda m, plan, *a: calls.append(len(plan.unique)) or prefill(m, plan, *a))
+    first, second = slice(0, 9), slice(9, 15)  # two chunks of one rollout: prompts 0-2, then prompts 3-4
+    whole = forward_logprobs(policy, *args)
+    for part in (first, second, first):
+        got = shared_logprobs(policy, *(a[part] for a in args), min_len=4, pad=TOK.pad_id)
+        assert got is not None and (got - whole[part]).abs().max() <= 1e-5
+    assert calls == [3, 2]  # the third call found its prompts computed
+    with torch.no_grad():
+        next(policy.parameters()).add_(0.0)  # an in-place update: every computed prompt is stale
+    shared_logprobs(policy, *(a[first] for a in args), min_len=4, pad=TOK.pad_id)
+    assert calls == [3, 2, 3]
