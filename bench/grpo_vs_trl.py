@@ -5,10 +5,11 @@ one at a time, interleaved round by round (flowrl, TRL, floor, flowrl, TRL, floo
 hits all three alike: flowrl and the floor in this venv, TRL in bench/.venv-trl (`make bench` creates it).
 Each run does STEPS steps and the first WARMUP are dropped. Every step also records how many cores *other*
 processes used meanwhile (from /proc/stat); before each run the harness waits (up to --wait s) for the
-machine to go quiet. The table reports, per system: the median of the quiet steps alone (see
-`grpo_shape.quiet_limit`) pooled over rounds, the median over rounds of each run's median step, the fastest
-and slowest run median, the best step and the median CPU seconds per step; the ratios follow. On a busy
-machine the all-steps figures mostly measure the neighbours: read the quiet-step column. Run: `python bench/grpo_vs_trl.py [--rounds 3]`; writes bench/out/grpo_vs_trl.{json,md}.
+machine to go quiet. The table reports, per system: the median of the quiet steps alone (others used
+< QUIET cores) pooled over rounds, the median over rounds of each run's median step, the fastest and slowest
+run median, the best step and the median CPU seconds per step; the ratios follow, pooled and paired by round.
+On a busy machine the all-steps figures mostly measure the neighbours: read the quiet-step column.
+Run: `python bench/grpo_vs_trl.py [--rounds 3] [--threads 1]`; writes bench/out/grpo_vs_trl[_threadsN].{json,md}.
 """
 
 from __future__ import annotations
@@ -36,8 +37,7 @@ LABELS = {"flowrl": "flowrl (grpo template)", "trl": "TRL GRPOTrainer", "floor":
 
 
 def wait_quiet(limit_s: float) -> float:
-    """Wait until other processes use < QUIET cores over a 2 s window (at most `limit_s`); returns the last use.
-    (Stricter than `quiet_limit` for 1-thread runs on purpose: the run starts on an idle machine if it can.)"""
+    """Wait until other processes use < QUIET cores over a 2 s window (at most `limit_s`); returns the last use."""
     deadline = time.perf_counter() + limit_s
     while True:
         a = shape.cpu_mark()
@@ -47,7 +47,7 @@ def wait_quiet(limit_s: float) -> float:
             return used
 
 
-def run_one(system: str, round_no: int, wait_s: float, threads: int) -> dict[str, Any]:
+def run_one(system: str, round_no: int, wait_s: float, threads: int, extra: list[str]) -> dict[str, Any]:
     python, script = SYSTEMS[system]
     out = shape.OUT / f"result_{system}_{round_no}.json"
     out.unlink(missing_ok=True)
@@ -57,7 +57,7 @@ def run_one(system: str, round_no: int, wait_s: float, threads: int) -> dict[str
     env = dict(os.environ)
     if threads:
         env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))  # torch's intra-op pool
-    proc = subprocess.run([str(python), str(shape.BENCH / script), "--json", str(out)], cwd=shape.BENCH,
+    proc = subprocess.run([str(python), str(shape.BENCH / script), "--json", str(out), *extra], cwd=shape.BENCH,
                           capture_output=True, text=True, env=env)  # fmt: skip
     if proc.returncode != 0 or not out.exists():
         sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-4000:])
@@ -72,10 +72,9 @@ def run_one(system: str, round_no: int, wait_s: float, threads: int) -> dict[str
 
 
 def quiet_steps(result: dict[str, Any]) -> list[float]:
-    """Steady-state steps during which other processes left this one its cores (`grpo_shape.quiet_limit`)."""
+    """Steady-state steps during which other processes used < QUIET cores."""
     pairs = zip(shape.steady(result["step_s"]), shape.steady(result["others_cores"]), strict=True)
-    limit = shape.quiet_limit(int(result["torch_threads"]))
-    return [t for t, others in pairs if not others >= limit]
+    return [t for t, others in pairs if not others >= shape.QUIET]
 
 
 def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, float]]:
@@ -100,9 +99,8 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, floa
 def phases(results: list[dict[str, Any]]) -> tuple[dict[str, float], str]:
     """Median time of each phase over the quiet steady steps of every run (all steady steps if none was quiet)."""
     def pick(r: dict[str, Any], values: list[float]) -> list[float]:
-        limit = shape.quiet_limit(int(r["torch_threads"]))
         pairs = zip(shape.steady(values), shape.steady(r["others_cores"]), strict=True)
-        return [v for v, others in pairs if not others >= limit]
+        return [v for v, others in pairs if not others >= shape.QUIET]
 
     quiet = any(pick(r, r["step_s"]) for r in results)
     out = {}
@@ -132,13 +130,15 @@ def paired(runs: dict[str, list[dict[str, Any]]], a: str, b: str) -> str:
 def render(table: dict[str, dict[str, float]], runs: dict[str, list[dict[str, Any]]], loads: list[float]) -> str:
     fl, trl, floor = table["flowrl"], table["trl"], table["floor"]
     threads = sorted({r["torch_threads"] for results in runs.values() for r in results})
+    passes = "; ".join(runs["flowrl"][0].get("passes", [])) or "none"
     lines = [
         f"GRPO step, tiny GPT-2 (L{shape.LAYERS} d{shape.DIM} h{shape.HEADS}, vocab 17), "
         f"{shape.PROMPTS_PER_STEP} prompts x {shape.GROUP} samples x {shape.COMPLETION} tokens, fp32 CPU, "
         f"torch threads {'/'.join(map(str, threads))}, {len(runs['flowrl'])} rounds x "
         f"{shape.STEPS - shape.WARMUP} steps (after {shape.WARMUP} warm-up)",
+        f"flowrl passes: {passes}",
         f"load average (1 min) before each run: {min(loads):.2f} .. {max(loads):.2f}; quiet step = other processes "
-        f"used < {shape.quiet_limit(threads[0]):.2f} of the {os.cpu_count()} cores during it",
+        f"used < {shape.QUIET} of the {os.cpu_count()} cores during it",
         "",
         "| system | quiet steps: median s (n) | all steps: median s | fastest run | slowest run | best step s "
         "| CPU s / step | others' cores |",
@@ -171,6 +171,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=0,
                         help="torch threads per process (OMP_NUM_THREADS); 0 = torch's default (one per core)")
     parser.add_argument("--wait", type=float, default=30.0, help="max seconds to wait for a quiet machine per run")
+    parser.add_argument("--no-pass", action="append", default=[], metavar="NAME",
+                        help="switch a flowrl pass off (default: the passes `flowrl run` applies)")
     parser.add_argument("--only", nargs="*", choices=list(SYSTEMS), help="run only these systems")
     args = parser.parse_args()
     if not TRL_PY.exists():
@@ -181,7 +183,8 @@ def main() -> None:
     print(f"load average now: {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
     for round_no in range(args.rounds):
         for system in systems:
-            runs[system].append(run_one(system, round_no, args.wait, args.threads))
+            extra = [f"--no-pass={name}" for name in args.no_pass] if system == "flowrl" else []
+            runs[system].append(run_one(system, round_no, args.wait, args.threads, extra))
     loads = [r["load_before"] for results in runs.values() for r in results]
     tag = f"_threads{args.threads}" if args.threads else ""
     (shape.OUT / f"grpo_vs_trl{tag}.json").write_text(json.dumps(runs, indent=1), encoding="utf-8")
