@@ -7,7 +7,7 @@ from typing import Any
 
 from flowrl.ir.graph import Graph
 from flowrl.runtime.protocol import Done, Future, WorkerGroup
-from flowrl.runtime.worker import ModelWorker
+from flowrl.runtime.worker import ModelWorker, group_state, load_group_state
 
 
 class LocalWorkerGroup:
@@ -26,18 +26,11 @@ class LocalWorkerGroup:
         except Exception as e:  # surfaced at result(), like a remote call's error
             return Done(error=e)
 
-    def _unique(self) -> list[ModelWorker]:
-        return list({id(w): w for w in self.workers.values()}.values())
-
     def state_dict(self) -> dict[str, Any]:
-        state: dict[str, Any] = {}
-        for w in self._unique():
-            state.update(w.state_dict())
-        return state
+        return group_state(self.workers)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        for w in self._unique():
-            w.load_state_dict(state)
+        load_group_state(self.workers, state)
 
 
 class LocalBackend:

@@ -21,7 +21,7 @@ from flowrl.runtime.batch import Batch
 from flowrl.runtime.protocol import Done, Future, WorkerGroup
 from flowrl.runtime.schedule import torch_threads
 from flowrl.runtime.streaming import assemble, rank_seed
-from flowrl.runtime.worker import ModelWorker
+from flowrl.runtime.worker import ModelWorker, group_state, load_group_state
 
 SPLIT = ("generate", "logprobs", "values", "score")
 
@@ -56,18 +56,11 @@ class ThreadRanks:
         pad = self._worker(model).models[model].tokenizer.pad_id
         return split_call(self.pool, self.on_rank, self.world, pad, method, model, batch, attrs, **kwargs)
 
-    def _unique(self) -> list[ModelWorker]:
-        return list({id(w): w for w in self.workers.values()}.values())
-
     def state_dict(self) -> dict[str, Any]:
-        state: dict[str, Any] = {}
-        for w in self._unique():
-            state.update(w.state_dict())
-        return state
+        return group_state(self.workers)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        for w in self._unique():
-            w.load_state_dict(state)
+        load_group_state(self.workers, state)
 
 
 def split_call(pool: ThreadPoolExecutor, on_rank: Callable[..., Any], world: int, pad: int, method: str,

@@ -327,3 +327,16 @@ class ModelWorker:
 def _safe_temp(t: float) -> float:
     # Greedy generation (temperature 0) scores tokens at temperature 1.
     return t if t > 0 else 1.0
+
+
+def group_state(workers: Mapping[str, ModelWorker]) -> dict[str, Any]:
+    """The state of every model of a group whose models (keys) may share workers: each worker once."""
+    state: dict[str, Any] = {}
+    for w in {id(w): w for w in workers.values()}.values():
+        state.update(w.state_dict())
+    return state
+
+
+def load_group_state(workers: Mapping[str, ModelWorker], state: Mapping[str, Any]) -> None:
+    for w in {id(w): w for w in workers.values()}.values():
+        w.load_state_dict(state)
