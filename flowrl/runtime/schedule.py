@@ -10,8 +10,10 @@ the order, which on a pipelined device is what fills one model's bubbles with th
 
 from __future__ import annotations
 
+import queue
 import threading
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any, TypeVar
 
 import torch
@@ -26,6 +28,64 @@ def torch_threads() -> Callable[[], None]:
     slower; so every thread flowrl starts calls this first."""
     count = torch.get_num_threads()
     return lambda: torch.set_num_threads(count)
+
+
+class _Threads:
+    """Threads kept across calls: a fresh thread's tensor code runs ~8% slower for a while (new allocator
+    arenas to fault in), which per-step threads would pay every step."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.idle: list[tuple[threading.Thread, queue.SimpleQueue[Callable[[], None] | None]]] = []
+
+    def run(self, fns: Sequence[Callable[[], None]]) -> None:
+        """Run every fn in a thread of its own, all at once; return when all returned (re-raising the first
+        error)."""
+        self.start(fns)()
+
+    def start(self, fns: Sequence[Callable[[], None]]) -> Callable[[], None]:
+        """Like `run`, but return at once; the returned call waits for them (and re-raises)."""
+        done = threading.Semaphore(0)
+        errors: list[BaseException] = []
+        init = torch_threads()
+        for fn in fns:
+            with self.lock:
+                worker = self.idle.pop() if self.idle else self._start()
+            worker[1].put(partial(self._job, fn, init, worker, done, errors))
+
+        def join() -> None:
+            for _ in fns:
+                done.acquire()
+            if errors:
+                raise errors[0]
+
+        return join
+
+    def _job(self, fn: Callable[[], None], init: Callable[[], None], worker: Any, done: threading.Semaphore,
+             errors: list[BaseException]) -> None:
+        try:
+            init()
+            fn()
+        except BaseException as e:  # the thread lives on; the caller re-raises
+            errors.append(e)
+        finally:
+            with self.lock:
+                self.idle.append(worker)
+            done.release()
+
+    def _start(self) -> tuple[threading.Thread, queue.SimpleQueue[Callable[[], None] | None]]:
+        jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+
+        def loop() -> None:
+            while (job := jobs.get()) is not None:
+                job()
+
+        thread = threading.Thread(target=loop, daemon=True, name="flowrl-worker-thread")
+        thread.start()
+        return thread, jobs
+
+
+THREADS = _Threads()
 
 
 def interleave(tasks: Sequence[Callable[[Turn], T]]) -> tuple[list[T], list[str]]:
@@ -47,10 +107,7 @@ def interleave(tasks: Sequence[Callable[[Turn], T]]) -> tuple[list[T], list[str]
         while state["current"] != i:
             cond.wait()
 
-    init = torch_threads()
-
     def body(i: int) -> None:
-        init()
         units = 0
 
         def turn(label: str) -> None:
@@ -73,11 +130,7 @@ def interleave(tasks: Sequence[Callable[[Turn], T]]) -> tuple[list[T], list[str]
                 active.remove(i)
                 pass_turn(i)
 
-    threads = [threading.Thread(target=body, args=(i,), name=f"flowrl-interleave-{i}") for i in range(len(tasks))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    THREADS.run([partial(body, i) for i in range(len(tasks))])
     for e in errors:
         if e is not None:
             raise e

@@ -1,13 +1,13 @@
 """`fuse-gen-inference` at run time (flowrl.runtime): the controller-side scheduler of streamed generation.
 
-The controller hands a fused stage (a generate node plus the forwards over its rollout) to `run_gen_infer`.
-Each generation rank runs `ModelWorker.generate_stream`, which yields chunks of finished samples; the forwards
-run on each chunk while the rest is still decoding, and every result is put back in sample order at the end
-(`assemble`), so downstream nodes see the numbers the unfused step computes.
+The controller (`flowrl.runtime.fusion`) runs a fused stage (a generate node plus the forwards over its
+rollout) as `GenInfer(...).run()`. Each generation rank runs `ModelWorker.generate_stream`, which yields chunks
+of finished samples; the forwards run on each chunk while the rest is still decoding, and every result is put
+back in sample order at the end (`assemble`), so downstream nodes see the numbers the unfused step computes.
 
 - One rank (the local backend): generation and the chunk forwards interleave on the one worker.
-- Several ranks (any group with `world` and `on_rank(rank, method, ...)`, e.g. `flowrl.runtime.ranks`): each
-  rank is driven by a thread here. Finished chunks queue up; a rank whose generation is over takes forwards from
+- Several ranks (any `RankGroup`: `world` and `on_rank(rank, method, ...)`, as `flowrl.runtime.ranks` (threads)
+  and `flowrl.runtime.procs` (processes) provide; a Ray group can too): each rank is driven by a thread here. Finished chunks queue up; a rank whose generation is over takes forwards from
   the queue. When fewer than `migrate_below` of the samples are still decoding, every rank hands its unfinished
   rows over (`Tail`) and they resume together on the fewest ranks that hold them (those with the most rows),
   so the other ranks are freed for the forwards (RLHFuse). Sampling state moves with the rows: same samples.
@@ -20,8 +20,9 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Protocol
 
 import torch
@@ -30,7 +31,7 @@ from flowrl.engines.streaming import GenChunk, Sampling, Tail
 from flowrl.ir.graph import Node
 from flowrl.models.tokenizer import Tokenizer
 from flowrl.runtime.batch import Batch
-from flowrl.runtime.schedule import torch_threads
+from flowrl.runtime.schedule import THREADS
 
 SCRATCH = ("sample", "pad")  # per-chunk bookkeeping tensors, dropped when chunks are assembled
 
@@ -193,18 +194,13 @@ class GenInfer:
     def _run_threads(self) -> None:
         events: queue.Queue[tuple[Any, ...]] = queue.Queue()
         jobs: list[queue.Queue[Any]] = [queue.Queue() for _ in range(self.ranks.world)]
-        init = torch_threads()
-        threads = [threading.Thread(target=self._rank_loop, args=(r, jobs[r], events, init), daemon=True,
-                                    name=f"flowrl-rank-{r}") for r in range(self.ranks.world)]
-        for t in threads:
-            t.start()
+        join = THREADS.start([partial(self._rank_loop, r, jobs[r], events) for r in range(self.ranks.world)])
         try:
             self._schedule(jobs, events)
         finally:
             for q in jobs:
                 q.put(None)
-            for t in threads:
-                t.join()
+            join()
 
     def _schedule(self, jobs: list[queue.Queue[Any]], events: queue.Queue[tuple[Any, ...]]) -> None:
         shards = self.prompts.split(self.ranks.world)
@@ -249,9 +245,7 @@ class GenInfer:
                     busy.add(r)
                     jobs[r].put(("forward", cid, node))
 
-    def _rank_loop(self, rank: int, jobs: queue.Queue[Any], events: queue.Queue[tuple[Any, ...]],
-                   init: Callable[[], None]) -> None:
-        init()
+    def _rank_loop(self, rank: int, jobs: queue.Queue[Any], events: queue.Queue[tuple[Any, ...]]) -> None:
         while (job := jobs.get()) is not None:
             try:
                 if job[0] == "stream":
