@@ -19,7 +19,17 @@ from pathlib import Path
 from flowrl.rewards import arith_partial
 
 BENCH = Path(__file__).resolve().parent
-OUT = BENCH / "out"
+# Two prompt shapes (`grpo_vs_trl.py --shape NAME` sets FLOWRL_BENCH_SHAPE for every child process):
+# - "short":   "123+456=", 9 tokens with BOS: almost all the work is the 32 completion tokens.
+# - "fewshot": FEWSHOT worked examples ("123+456=579 ") before the question, about 134 tokens: a prompt four
+#              times longer than its completion, as in few-shot or system-prompted RLHF, where flowrl's
+#              share-prefix pass computes each prompt once for its 8 samples and TRL computes it 8 times.
+SHAPES = ("short", "fewshot")
+SHAPE = os.environ.get("FLOWRL_BENCH_SHAPE", "short")
+if SHAPE not in SHAPES:
+    raise SystemExit(f"FLOWRL_BENCH_SHAPE={SHAPE!r}: the shapes are {', '.join(SHAPES)}")
+FEWSHOT = 10
+OUT = BENCH / "out" if SHAPE == "short" else BENCH / "out" / SHAPE
 CKPT = OUT / "ckpt"
 PROMPTS_FILE = OUT / "prompts.jsonl"
 
@@ -44,12 +54,17 @@ def reward(prompt: str, response: str, answer: object = None, **_: object) -> fl
 
 
 def prompt_rows() -> list[dict[str, str]]:
-    """`N_PROMPTS` three-digit additions, "123+456=" (8 characters; 9 tokens with BOS), with their answers."""
+    """`N_PROMPTS` three-digit additions, "123+456=" (8 characters; 9 tokens with BOS), with their answers;
+    for the "fewshot" shape each is preceded by FEWSHOT solved ones of its own ("123+456=579 ...")."""
     rng = random.Random(SEED)
     rows = []
     for _ in range(N_PROMPTS):
+        shots = ""
+        if SHAPE == "fewshot":
+            pairs = [(rng.randrange(100, 1000), rng.randrange(100, 1000)) for _ in range(FEWSHOT)]
+            shots = "".join(f"{x}+{y}={x + y} " for x, y in pairs)
         a, b = rng.randrange(100, 1000), rng.randrange(100, 1000)
-        rows.append({"prompt": f"{a}+{b}=", "answer": str(a + b)})
+        rows.append({"prompt": f"{shots}{a}+{b}=", "answer": str(a + b)})
     return rows
 
 

@@ -24,7 +24,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-import grpo_shape as shape
+if "--shape" in sys.argv[:-1]:  # before grpo_shape is imported: it (and every child process) reads the shape
+    os.environ["FLOWRL_BENCH_SHAPE"] = sys.argv[sys.argv.index("--shape") + 1]
+
+import grpo_shape as shape  # noqa: E402
 
 MAIN_PY = sys.executable
 TRL_PY = shape.BENCH / ".venv-trl" / "bin" / "python"
@@ -127,13 +130,19 @@ def paired(runs: dict[str, list[dict[str, Any]]], a: str, b: str) -> str:
     return f"{shape.median(ratios):.2f}x paired by round ({min(ratios):.2f}..{max(ratios):.2f}, {len(ratios)} rounds)"
 
 
+def prompt_tokens() -> str:
+    """Prompt length in tokens (characters + BOS) over the prompt file: "9" or "130..134"."""
+    sizes = sorted({len(r["prompt"]) + 1 for r in shape.prompt_rows()})
+    return str(sizes[0]) if len(sizes) == 1 else f"{sizes[0]}..{sizes[-1]}"
+
+
 def render(table: dict[str, dict[str, float]], runs: dict[str, list[dict[str, Any]]], loads: list[float]) -> str:
     fl, trl, floor = table["flowrl"], table["trl"], table["floor"]
     threads = sorted({r["torch_threads"] for results in runs.values() for r in results})
     passes = "; ".join(runs["flowrl"][0].get("passes", [])) or "none"
     lines = [
-        f"GRPO step, tiny GPT-2 (L{shape.LAYERS} d{shape.DIM} h{shape.HEADS}, vocab 17), "
-        f"{shape.PROMPTS_PER_STEP} prompts x {shape.GROUP} samples x {shape.COMPLETION} tokens, fp32 CPU, "
+        f"GRPO step, shape {shape.SHAPE!r}, tiny GPT-2 (L{shape.LAYERS} d{shape.DIM} h{shape.HEADS}, vocab 17), "
+        f"{shape.PROMPTS_PER_STEP} prompts ({prompt_tokens()} tokens) x {shape.GROUP} samples x {shape.COMPLETION} tokens, fp32 CPU, "
         f"torch threads {'/'.join(map(str, threads))}, {len(runs['flowrl'])} rounds x "
         f"{shape.STEPS - shape.WARMUP} steps (after {shape.WARMUP} warm-up)",
         f"flowrl passes: {passes}",
@@ -168,6 +177,8 @@ def render(table: dict[str, dict[str, float]], runs: dict[str, list[dict[str, An
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--shape", choices=shape.SHAPES, default=shape.SHAPE,
+                        help="prompt shape (grpo_shape.py): short 9-token or fewshot ~134-token prompts")
     parser.add_argument("--threads", type=int, default=0,
                         help="torch threads per process (OMP_NUM_THREADS); 0 = torch's default (one per core)")
     parser.add_argument("--wait", type=float, default=30.0, help="max seconds to wait for a quiet machine per run")

@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from flowrl.engines.training import merge_ranks
 from flowrl.runtime.batch import Batch
 
 MODES = ("split", "broadcast", "rank0")
@@ -25,10 +26,6 @@ UPDATES = frozenset({"update", "update_fused"})  # optimizer steps: every rank m
 MUTATING = UPDATES | {"load_state_dict", "load_weights"}
 # Methods that run a model (the ones the test-only crash hook counts).
 MODEL_CALLS = UPDATES | {"generate", "logprobs", "values", "score"}
-# Update metrics computed with the global mini-batch's denominators: each rank's value is its share of the
-# whole, so the ranks' values add up. Every other metric is a per-rank mean (clipfrac, ppo_kl, ...) or the same
-# on every rank after the gradient all-reduce (grad_norm, lr, skipped): those are averaged, weighted by tokens.
-SUMMED = frozenset({"loss", "pg_loss", "kl_loss", "entropy", "vf_loss"})
 
 
 class DispatchError(ValueError):
@@ -130,10 +127,10 @@ def merge(p: Plan, results: Sequence[Any]) -> Any:
     if len(results) == 1:
         return results[0]
     if p.method == "update":
-        return merge_update(results, [c.tokens[0] for c in p.calls])
+        return merge_ranks(results, [c.tokens[0] for c in p.calls])
     if p.method == "update_fused":  # {"results": [one update's metrics per model], "order": the turns taken}
         per_model = zip(*[r["results"] for r in results], strict=True)
-        return {**results[0], "results": [merge_update(list(ms), [c.tokens[i] for c in p.calls])
+        return {**results[0], "results": [merge_ranks(list(ms), [c.tokens[i] for c in p.calls])
                                           for i, ms in enumerate(per_model)]}
     if p.mode != "split":
         return results[0]
@@ -152,13 +149,3 @@ def _shift_groups(rollout: Batch, prompt_offset: int) -> Batch:
     return Batch(rollout.size, tensors, rollout.meta, rollout.primary)
 
 
-def merge_update(results: Sequence[Mapping[str, float]], tokens: Sequence[float]) -> dict[str, float]:
-    total = sum(tokens) or 1.0
-    out: dict[str, float] = {}
-    for key in results[0]:
-        values = [float(r[key]) for r in results]
-        if key in SUMMED:
-            out[key] = sum(values)
-        else:
-            out[key] = sum(v * t for v, t in zip(values, tokens, strict=True)) / total
-    return out

@@ -49,7 +49,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from flowrl.engines.training import MB, LossFn
+from flowrl.engines.training import MB, LossFn, reduce_metrics
 
 __all__ = ["INSTALL_HINT", "DeepSpeedTrainEngine", "import_deepspeed"]
 
@@ -129,19 +129,18 @@ class DeepSpeedTrainEngine:
             group["lr"] = lr
 
     def step(self, micro_batches: Sequence[MB], loss_fn: LossFn[MB]) -> dict[str, float]:
-        """Accumulate gradients over `micro_batches`, clip, update; returns averaged metrics + loss/grad_norm/lr."""
+        """Accumulate gradients over `micro_batches`, clip, update; returns the metrics (`reduce_metrics`) + loss/grad_norm/lr."""
         if not micro_batches:
             raise ValueError("DeepSpeedTrainEngine.step needs at least one micro-batch")
         engine = self.forward_module
         total_loss = 0.0
-        sums: dict[str, float] = {}
+        seen: list[dict[str, float]] = []
         for mb in micro_batches:
             loss, metrics = loss_fn(mb)
             # The caller already scaled the loss (micro losses sum to the mini-batch loss): no 1/gas here.
             engine.backward(loss * self._loss_factor if self._loss_factor != 1.0 else loss, scale_wrt_gas=False)
             total_loss += float(loss.detach())
-            for key, value in metrics.items():
-                sums[key] = sums.get(key, 0.0) + float(value)
+            seen.append(metrics)
         skipped_before = int(engine.skipped_steps)
         self._norm = None
         engine.step()
@@ -154,7 +153,7 @@ class DeepSpeedTrainEngine:
             skipped = int(engine.skipped_steps) > skipped_before
         if not skipped:
             self.steps += 1
-        out = {key: value / len(micro_batches) for key, value in sums.items()}
+        out = reduce_metrics(seen)
         out.update(loss=total_loss, grad_norm=grad_norm, lr=self.lr, skipped=float(skipped))
         return out
 

@@ -31,11 +31,11 @@ from torch import Tensor, nn
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from flowrl.engines.forward import _token_logprobs
+from flowrl.engines.forward import _entropy, _token_logprobs
 from flowrl.engines.trie import PrefixPlan, plan_of, plan_prefixes
 from flowrl.models.build import ValueModel
 
-__all__ = ["PromptCache", "prefill", "shared_logprobs", "shared_values"]
+__all__ = ["PromptCache", "packed_logprobs_entropy", "packed_values", "prefill", "shared_logprobs", "shared_values"]
 
 KV = list[tuple[Tensor, Tensor]]  # per layer: keys, values (rows, heads, slots, head_dim)
 
@@ -369,3 +369,51 @@ def shared_values(module: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, re
         return module.value_head(hidden).squeeze(-1).float() * mask
 
     return _shared(module, prompt_ids, prompt_mask, response_ids, response_mask, min_len, micro_batch, pad, finish)
+
+
+# -- with autograd: the update's forward ------------------------------------------------------------------
+
+
+def _packed_train(module: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor,
+                  response_mask: Tensor, min_len: int) -> Tensor | None:
+    """(N, T, out) outputs scoring each response token from one packed forward per unique prompt ([prompt |
+    its samples], as `_single_pass`), with autograd: a prompt's gradient is the sum over its samples, as in the
+    plain forward. None when no prompt of at least `min_len` tokens repeats, or the packing does not apply
+    (then use the plain forward). Nothing is cached: the weights change right after."""
+    length = response_ids.shape[1]
+    if length < 2 or prompt_ids.shape[0] == 0 or not _supports_cache(module):
+        return None
+    if _attention(module) not in ("sdpa", "eager"):
+        return None
+    plan = plan_prefixes(prompt_ids, prompt_mask, min_len)
+    per_prompt = max(plan.row_prompt.count(u) for u in set(plan.row_prompt))
+    if per_prompt < 2 or max(len(p) for p in plan.unique) < min_len or per_prompt * (length - 1) > PACK_LIMIT:
+        return None
+    row_prompt = torch.tensor(plan.row_prompt, device=response_ids.device)
+    outputs, _ = _single_pass(module, prompt_ids, prompt_mask, row_prompt, response_ids, response_mask)
+    return outputs
+
+
+def packed_logprobs_entropy(module: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor,
+                            response_mask: Tensor, *, temperature: float = 1.0,
+                            min_len: int = 16) -> tuple[Tensor, Tensor] | None:
+    """Like `forward_logprobs_entropy(..., with_grad=True)` with each prompt computed once, or None."""
+    logits = _packed_train(module, prompt_ids, prompt_mask, response_ids, response_mask, min_len)
+    if logits is None:
+        return None
+    logits = logits.float()
+    if temperature > 0 and temperature != 1.0:
+        logits = logits / temperature
+    mask = response_mask.long()
+    return _token_logprobs(logits, response_ids * mask) * mask, _entropy(logits) * mask
+
+
+def packed_values(module: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor,
+                  response_mask: Tensor, *, min_len: int = 16) -> Tensor | None:
+    """Like `forward_values(..., with_grad=True)` for a `ValueModel` with each prompt computed once, or None."""
+    if not isinstance(module, ValueModel):
+        return None
+    hidden = _packed_train(module, prompt_ids, prompt_mask, response_ids, response_mask, min_len)
+    if hidden is None:
+        return None
+    return module.value_head(hidden).squeeze(-1).float() * response_mask.long()

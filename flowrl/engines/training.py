@@ -20,10 +20,30 @@ from typing import Any, TypeVar
 import torch
 from torch import Tensor, nn
 
-__all__ = ["LossFn", "TrainEngine", "all_reduce_sum", "data_parallel_world"]
+__all__ = ["SHARES", "LossFn", "TrainEngine", "all_reduce_sum", "data_parallel_world", "merge_ranks", "reduce_metrics"]
 
 MB = TypeVar("MB")
 LossFn = Callable[[MB], tuple[Tensor, dict[str, float]]]
+
+# Metrics a loss function computes with the whole mini-batch's denominators (like the loss itself): each
+# micro-batch's (and each data-parallel rank's) value is its share of the whole, so they add up. Every other
+# metric is a per-micro-batch mean (clipfrac, ppo_kl, ...) and is averaged.
+SHARES = frozenset({"loss", "pg_loss", "kl_loss", "entropy", "vf_loss", "kl_mean"})
+
+
+def reduce_metrics(per_micro_batch: Sequence[Mapping[str, float]]) -> dict[str, float]:
+    """One mini-batch's metrics from its micro-batches': shares summed, the rest averaged."""
+    keys = {k: None for m in per_micro_batch for k in m}
+    return {k: sum(float(m.get(k, 0.0)) for m in per_micro_batch) / (1 if k in SHARES else len(per_micro_batch))
+            for k in keys}
+
+
+def merge_ranks(results: Sequence[Mapping[str, float]], tokens: Sequence[float]) -> dict[str, float]:
+    """One update's metrics from its data-parallel ranks': shares summed, the rest (per-rank means, or equal on
+    every rank after the all-reduce) averaged, weighted by each rank's valid tokens."""
+    total = sum(tokens) or 1.0
+    return {key: sum(float(r[key]) for r in results) if key in SHARES else
+            sum(float(r[key]) * t for r, t in zip(results, tokens, strict=True)) / total for key in results[0]}
 
 
 class TrainEngine:
@@ -57,18 +77,17 @@ class TrainEngine:
             group["lr"] = lr
 
     def step(self, micro_batches: Sequence[MB], loss_fn: LossFn[MB]) -> dict[str, float]:
-        """Accumulate gradients over `micro_batches`, clip, update; returns averaged metrics + loss/grad_norm/lr."""
+        """Accumulate gradients over `micro_batches`, clip, update; returns the metrics (`reduce_metrics`) + loss/grad_norm/lr."""
         if not micro_batches:
             raise ValueError("TrainEngine.step needs at least one micro-batch")
         self.optimizer.zero_grad(set_to_none=True)
         total_loss = 0.0
-        sums: dict[str, float] = {}
+        seen: list[dict[str, float]] = []
         for mb in micro_batches:
             loss, metrics = loss_fn(mb)
             loss.backward()
             total_loss += float(loss.detach())
-            for key, value in metrics.items():
-                sums[key] = sums.get(key, 0.0) + float(value)
+            seen.append(metrics)
         if data_parallel_world() > 1:
             self._all_reduce_grads()
         # clip_grad_norm_ with an infinite bound only measures the norm.
@@ -79,7 +98,7 @@ class TrainEngine:
             self.optimizer.step()
             self.steps += 1
         self.optimizer.zero_grad(set_to_none=True)
-        out = {key: value / len(micro_batches) for key, value in sums.items()}
+        out = reduce_metrics(seen)
         out.update(loss=total_loss, grad_norm=grad_norm, lr=self.lr, skipped=float(skipped))
         return out
 

@@ -19,6 +19,11 @@ def forwards_over(graph: Graph, gen: Node) -> list[Node]:
     return [n for n in graph.nodes if n.op in FORWARD_OPS and n.input("rollout") == gen.id]
 
 
+def updates_over(graph: Graph, gen: Node) -> list[Node]:
+    """The update nodes that train on `gen`'s rollout, in schedule order."""
+    return [n for n in graph.nodes if n.op == "update" and n.input("rollout") == gen.id]
+
+
 def ancestors(graph: Graph, node: Node) -> set[str]:
     """Ids of every node `node` depends on, directly or not."""
     seen: set[str] = set()

@@ -1,10 +1,12 @@
 """Pass `share-prefix` (RLHFless's pre-computed shared prefixes), first in the pass pipeline.
 
-Marks a rollout's `generate` node and every forward over that rollout (`logprobs`, `values`, `score`) with
-`share_prefix = true` and `prefix_min_len`. At run time generation prefills each unique prompt once and decodes
+Marks a rollout's `generate` node, every forward over that rollout (`logprobs`, `values`, `score`) and every
+update that trains on it with `share_prefix = true` and `prefix_min_len`. At run time generation prefills each unique prompt once and decodes
 its n samples from copies of that KV cache, and each forward runs each prompt prefix once
 (`flowrl.engines.prefix`): identical prompts (the n samples of one prompt) and prompts whose first
-`prefix_min_len` tokens agree (a system prompt; found with a token trie) share one computation.
+`prefix_min_len` tokens agree (a system prompt; found with a token trie) share one computation. An update's
+forward (with autograd) runs each prompt once with its samples packed after it, so the prompt's gradient is
+the sum over its samples, as in the unshared forward.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from flowrl.data.jsonl import read_jsonl
 from flowrl.errors import DataError
 from flowrl.ir.graph import Graph, Node
 from flowrl.passes import register
-from flowrl.passes.common import DataPrompts, forwards_over, rollouts
+from flowrl.passes.common import DataPrompts, forwards_over, rollouts, updates_over
 
 MIN_LEN = 16  # tokens: below this a shared prefix saves less than the extra cache pass costs
 SCAN_ROWS = 10_000  # rows of a data file read to find shared prefixes
@@ -66,7 +68,7 @@ def _reason(graph: Graph, gen: Node, data: DataPrompts | None) -> str:
 
 
 @register("share-prefix", "compute each shared prompt prefix once and reuse its KV cache "
-          "(generation and every forward over the rollout)")
+          "(generation, every forward over the rollout, and the updates' forwards)")
 def share_prompt_prefix(graph: Graph) -> tuple[Graph, list[str]]:
     notes: list[str] = []
     marked: dict[str, Node] = {}
@@ -75,7 +77,7 @@ def share_prompt_prefix(graph: Graph) -> tuple[Graph, list[str]]:
         if reason is not None:
             notes.append(f"{gen.id}: not shared: {reason}")
             continue
-        users = [gen, *forwards_over(graph, gen)]
+        users = [gen, *forwards_over(graph, gen), *updates_over(graph, gen)]
         for node in users:
             engine = graph.model(str(node.model)).engine
             if engine != "torch":

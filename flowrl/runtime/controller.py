@@ -141,6 +141,8 @@ class Controller:
         metrics.update({f"{node.model}/{k}": float(v) for k, v in out.items()})
         if self.graph.model(str(node.model)).role == "policy" and "loss" in out:
             metrics["loss"] = float(out["loss"])
+        if "kl_mean" in out and "kl_mean" not in metrics:  # measured by the update (pass on-policy-logp)
+            metrics["kl_mean"] = float(out["kl_mean"])
 
 
 def _prompt_batch(loader: PromptLoader) -> Batch:

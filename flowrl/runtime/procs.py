@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from flowrl.engines.streaming import StreamControl
+from flowrl.engines.training import merge_ranks
 from flowrl.ir.graph import Graph, ModelDecl
 from flowrl.runtime.protocol import Done, Future, WorkerGroup
 from flowrl.runtime.ranks import SPLIT, split_call
@@ -78,17 +79,6 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
-
-
-# Update metrics computed with the global mini-batch's denominators add up over ranks; the others (per-rank
-# means, or equal on every rank after the all-reduce) are averaged, weighted by valid tokens.
-SUMMED = frozenset({"loss", "pg_loss", "kl_loss", "entropy", "vf_loss"})
-
-
-def merge_update(results: Sequence[Mapping[str, float]], tokens: Sequence[float]) -> dict[str, float]:
-    total = sum(tokens) or 1.0
-    return {key: sum(float(r[key]) for r in results) if key in SUMMED else
-            sum(float(r[key]) * t for r, t in zip(results, tokens, strict=True)) / total for key in results[0]}
 
 
 class ProcessRanks:
@@ -170,13 +160,13 @@ class ProcessRanks:
             model, batch, attrs = args
             shards = batch.split(self.world)
             out = self._all([("update", (model, shards[r], attrs), kwargs) for r in range(self.world)])
-            return merge_update(out, [float(s["response_mask"].sum()) for s in shards])
+            return merge_ranks(out, [float(s["response_mask"].sum()) for s in shards])
         if method == "update_fused":
             models, batches, attrs = args
             shards = [b.split(self.world) for b in batches]
             out = self._all([("update_fused", (models, [s[r] for s in shards], attrs), kwargs)
                              for r in range(self.world)])
-            merged = [merge_update([o["results"][i] for o in out], [float(s[r]["response_mask"].sum())
+            merged = [merge_ranks([o["results"][i] for o in out], [float(s[r]["response_mask"].sum())
                                                                     for r in range(self.world)])
                       for i, s in enumerate(shards)]
             return {"results": merged, "order": out[0]["order"]}

@@ -14,7 +14,7 @@ import torch
 
 from flowrl.algos import aggregate, kl, ppo_clip_loss, value_loss
 from flowrl.engines.generation import forward_logprobs, forward_logprobs_entropy, forward_values, generate
-from flowrl.engines.prefix import shared_logprobs, shared_values
+from flowrl.engines.prefix import packed_logprobs_entropy, packed_values, shared_logprobs, shared_values
 from flowrl.engines.select import Trainer, check_engine, forward_module, make_trainer
 from flowrl.engines.streaming import StreamControl, Tail, generate_stream, resume_stream
 from flowrl.engines.training import all_reduce_sum, data_parallel_world
@@ -261,8 +261,12 @@ class ModelWorker:
         mask = inputs[3].float()
         temp = float(mb["temperature"][0]) if "temperature" in mb.tensors else 1.0
         entropy_coef = float(attrs.get("entropy_coef", 0.0) or 0.0)
-        logp, entropy = forward_logprobs_entropy(module, *inputs, temperature=_safe_temp(temp),
-                                                 with_grad=True)  # (B, T) each
+        packed = None
+        if attrs.get("share_prefix"):  # the share-prefix pass: each prompt once, gradients summed over samples
+            packed = packed_logprobs_entropy(module, *inputs, temperature=_safe_temp(temp),
+                                             min_len=int(attrs.get("prefix_min_len", 16)))
+        logp, entropy = packed or forward_logprobs_entropy(module, *inputs, temperature=_safe_temp(temp),
+                                                           with_grad=True)  # (B, T) each
         old = mb["old_logp"].to(self.device) if "old_logp" in mb.tensors else logp.detach()
         adv = mb["advantages"].to(self.device)
         agg = str(attrs.get("agg", "token-mean"))
@@ -276,6 +280,12 @@ class ModelWorker:
         metrics = {f"pg_{k}" if k != "clipfrac" else k: v for k, v in metrics.items()}
         metrics["pg_loss"] = float(loss.detach())
         kl_coef = float(attrs.get("kl_coef", 0.0) or 0.0)
+        if "ref_logp" in mb.tensors and "old_logp" not in mb.tensors:
+            # The on-policy-logp pass removed the old-log-prob forward, so the step's KL to the reference
+            # (k1, token mean: what the controller reports as kl_mean) is measured here, as a share.
+            with torch.no_grad():
+                diff = (logp - mb["ref_logp"].to(self.device)) * mask
+                metrics["kl_mean"] = float(diff.sum()) / max(float(denoms["num_tokens"]), 1.0)
         if kl_coef and "ref_logp" in mb.tensors:
             kl_tok = kl(logp, mb["ref_logp"].to(self.device), str(attrs.get("kl", "k3")))
             kl_loss = aggregate(kl_tok, mask, agg, **denoms)
@@ -290,7 +300,11 @@ class ModelWorker:
     def _critic_loss(self, module: torch.nn.Module, mb: Batch, *, attrs: Mapping[str, Any],
                      denoms: Mapping[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
         inputs = self._inputs(mb)
-        values = forward_values(module, *inputs, with_grad=True)  # (B, T)
+        values = None
+        if attrs.get("share_prefix"):  # the share-prefix pass (engines/prefix.py)
+            values = packed_values(module, *inputs, min_len=int(attrs.get("prefix_min_len", 16)))
+        if values is None:
+            values = forward_values(module, *inputs, with_grad=True)  # (B, T)
         old = mb["values"].to(self.device) if "values" in mb.tensors else values.detach()
         clip = attrs.get("clip")
         loss, metrics = value_loss(values, old, mb["returns"].to(self.device), inputs[3].float(),

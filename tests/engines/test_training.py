@@ -45,7 +45,7 @@ def _nll_loss(module: nn.Module, total_tokens: int) -> Any:
     def loss_fn(mb: Batch) -> tuple[Tensor, dict[str, float]]:
         logprobs = forward_logprobs(module, *mb, with_grad=True)  # (b, T)
         loss = -(logprobs * mb[3]).sum() / total_tokens
-        return loss, {"tokens": float(mb[3].sum())}
+        return loss, {"tokens": float(mb[3].sum()), "pg_loss": float(loss.detach())}
 
     return loss_fn
 
@@ -83,8 +83,10 @@ def test_micro_batches_accumulate_to_full_batch_gradient() -> None:
     assert m_one["grad_norm"] == pytest.approx(m_many["grad_norm"], rel=1e-4)
     for g1, g2 in zip(grads_one[0], grads_many[0], strict=True):
         assert torch.allclose(g1, g2, atol=1e-6, rtol=1e-4)
-    # Metrics are averaged over micro-batches: 3 micro-batches of (3, 3, 2) rows.
+    # Per-micro-batch metrics are averaged (3 micro-batches of (3, 3, 2) rows); shares of the mini-batch's loss
+    # (training.SHARES) add up to the one-batch value.
     assert m_many["tokens"] == pytest.approx(tokens / 3)
+    assert m_many["pg_loss"] == pytest.approx(m_one["pg_loss"], rel=1e-5)
     assert set(m_many) >= {"loss", "grad_norm", "lr", "tokens"}
 
 

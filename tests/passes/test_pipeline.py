@@ -13,7 +13,7 @@ from flowrl.viz.views import draw
 from .conftest import run_steps
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
-PASSES = ["share-prefix", "fuse-gen-inference", "fuse-train"]
+PASSES = ["on-policy-logp", "share-prefix", "fuse-gen-inference", "fuse-train"]
 
 
 def test_registered_in_pipeline_order_and_on_by_default() -> None:
@@ -26,7 +26,8 @@ def test_registered_in_pipeline_order_and_on_by_default() -> None:
 def test_each_pass_switches_off(off: str) -> None:
     g = compile_file(str(EXAMPLES / "longtail_ppo.flow"), no_pass=[off])
     assert [p.name for p in g.passes] == [p for p in PASSES if p != off]
-    attr = {"share-prefix": "share_prefix", "fuse-gen-inference": "stream_chunk", "fuse-train": "schedule"}[off]
+    attr = {"share-prefix": "share_prefix", "fuse-gen-inference": "stream_chunk", "fuse-train": "schedule",
+            "on-policy-logp": "old_logp"}[off]
     assert not any(attr in n.attrs for n in g.nodes)
 
 

@@ -8,11 +8,12 @@ from typing import Any
 
 import pytest
 import torch
+from torch import Tensor
 
 from flowrl.engines import prefix
-from flowrl.engines.forward import forward_logprobs, forward_values
+from flowrl.engines.forward import forward_logprobs, forward_logprobs_entropy, forward_values
 from flowrl.engines.generation import generate
-from flowrl.engines.prefix import shared_logprobs, shared_values
+from flowrl.engines.prefix import packed_logprobs_entropy, packed_values, shared_logprobs, shared_values
 from flowrl.engines.trie import PrefixTrie, plan_prefixes
 from flowrl.ir.graph import Graph, frozen
 from flowrl.models.build import ModelSpec, build_model
@@ -21,7 +22,7 @@ from flowrl.passes.share_prefix import MIN_LEN, share_prompt_prefix
 
 from .conftest import PPO_UPDATES, SYSTEM, assert_same_numbers, passes, run_steps
 
-FORWARDS = ("old_logp", "ref_logp", "values", "scores")
+FORWARDS = ("old_logp", "ref_logp", "values", "scores", "actor.update", "critic.update")
 
 
 def marked(g: Graph) -> list[str]:
@@ -33,7 +34,8 @@ def test_marks_generation_and_every_forward_over_the_rollout(ppo: Callable[..., 
     assert marked(g) == ["rollout", *FORWARDS]
     assert all(g.node(i).attrs["prefix_min_len"] == MIN_LEN for i in marked(g))
     assert notes == ["rollout: n = 4 samples share each prompt and prompts in `prompts` share prefixes of >= 16 "
-                     "tokens: prefixes computed once in rollout, old_logp, ref_logp, values, scores"]
+                     "tokens: prefixes computed once in rollout, old_logp, ref_logp, values, scores, actor.update, "
+                     "critic.update"]
 
 
 def test_one_sample_per_prompt_still_shares_a_common_opening(ppo: Callable[..., Graph]) -> None:
@@ -71,8 +73,9 @@ def test_refuses(ppo: Callable[..., Graph], build: dict[str, Any], edit: Callabl
 
 def test_refuses_a_forward_on_another_engine_but_shares_the_rest(ppo: Callable[..., Graph]) -> None:
     g, notes = share_prompt_prefix(ppo(critic_extra=', engine = "deepspeed"'))
-    assert marked(g) == ["rollout", "old_logp", "ref_logp", "scores"]
-    assert notes[0] == "values: not shared: critic uses engine 'deepspeed'"
+    assert marked(g) == ["rollout", "old_logp", "ref_logp", "scores", "actor.update"]
+    assert notes[:2] == ["values: not shared: critic uses engine 'deepspeed'",
+                         "critic.update: not shared: critic uses engine 'deepspeed'"]
 
 
 def test_idempotent(ppo: Callable[..., Graph]) -> None:
@@ -148,6 +151,33 @@ def test_prompts_and_packed_samples_in_one_forward_equal_the_plain_forward(famil
         shared = shared_logprobs(policy, *args, temperature=0.7, min_len=16, micro_batch=micro, pad=TOK.pad_id)
         assert shared is not None and (shared - forward_logprobs(policy, *args, temperature=0.7)).abs().max() <= 1e-5
     assert calls == [1, 1, 1]  # one call for the whole rollout, then two micro-batches of two prompts
+
+
+def _grads(module: torch.nn.Module, run: Callable[[], Any]) -> tuple[list[Tensor], list[Tensor]]:
+    module.zero_grad(set_to_none=True)
+    out = run()
+    outs = list(out) if isinstance(out, tuple) else [out]
+    sum(o.sum() for o in outs).backward()
+    return outs, [p.grad.clone() for p in module.parameters() if p.grad is not None]
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_the_updates_packed_forward_equals_the_plain_one_with_its_gradients(family: str) -> None:
+    """An update's forward: each prompt once, its samples packed after it; outputs and gradients as unshared."""
+    policy, args = _rollout(family)
+    spec = ModelSpec(f"tiny:{family}", {"layers": 2, "dim": 32, "heads": 2}, role="critic")
+    critic = build_model(spec, 1).module
+    runs = [(policy, lambda: forward_logprobs_entropy(policy, *args, temperature=0.7, with_grad=True),
+             lambda: packed_logprobs_entropy(policy, *args, temperature=0.7, min_len=4)),
+            (critic, lambda: forward_values(critic, *args, with_grad=True),
+             lambda: packed_values(critic, *args, min_len=4))]
+    for module, plain, packed in runs:
+        (outs_a, grads_a), (outs_b, grads_b) = _grads(module, plain), _grads(module, packed)
+        assert all((a - b).abs().max() <= 1e-5 for a, b in zip(outs_a, outs_b, strict=True))
+        assert len(grads_a) == len(grads_b)
+        for a, b in zip(grads_a, grads_b, strict=True):
+            assert (a - b).abs().max() <= 1e-5 * max(1.0, float(a.abs().max()))
+    assert packed_logprobs_entropy(policy, *args, min_len=100) is None  # every prompt is shorter
 
 
 def test_nothing_worth_sharing_falls_back_to_the_plain_forward() -> None:
