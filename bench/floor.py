@@ -1,9 +1,10 @@
 """The bare-torch floor of one GRPO step on the benchmark shape (bench/): what any trainer must compute.
 
 Written directly against the HF model, no flowrl controller, worker or batch: a KV-cached sampling loop of
-128 rows x 32 tokens, one no-grad forward for the old log-probs, one for the reference log-probs, the
-reward (decode + Python), one forward + backward of the GRPO loss (PPO clip + beta * k3 KL, token-mean),
-grad-norm clip and the AdamW step. The sampling loop is a plain loop written here (prefill the 128 rows,
+128 rows x 32 tokens, one no-grad forward for the reference log-probs, the reward (decode + Python), one
+forward + backward of the GRPO loss (PPO clip + beta * k3 KL, token-mean), grad-norm clip and the AdamW step.
+The update is one optimizer step on the rollout, so the old log-probs are the loss forward's own, detached
+(what TRL does, and flowrl's on-policy-logp pass); no separate forward computes them. The sampling loop is a plain loop written here (prefill the 128 rows,
 then one cached forward + softmax + multinomial per token, EOS masked); flowrl's own engine
 (`flowrl.engines.generation.generate`, shared-prefix prefill, buffered KV cache) is timed beside it on the same
 prompts, and the floor uses whichever is faster, so it is the lower bound of the two.
@@ -22,15 +23,17 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from flowrl.engines.generation import generate
 
 
-def plain_sample(model: torch.nn.Module, ids: Tensor, eos: int, gen: torch.Generator) -> Tensor:
-    """(N, T) tokens: prefill all N rows, then T - 1 cached one-token forwards; EOS is never sampled."""
+def plain_sample(model: torch.nn.Module, ids: Tensor, mask: Tensor, eos: int, gen: torch.Generator) -> Tensor:
+    """(N, T) tokens: prefill all N left-padded rows, then T - 1 cached one-token forwards; EOS is never
+    sampled. Positions count real tokens only (what flowrl and the loss forward use)."""
     rows, width = ids.shape
     out_tokens = torch.empty((rows, shape.COMPLETION), dtype=torch.long)
-    attn = torch.ones((rows, width + shape.COMPLETION), dtype=torch.long)  # prompts are equal length: no pads
+    attn = torch.cat([mask, torch.ones((rows, shape.COMPLETION), dtype=torch.long)], dim=1)
+    lengths = mask.sum(1, keepdim=True)  # (N, 1)
     cache = DynamicCache(config=model.config)
     with torch.inference_mode():
-        out = model(input_ids=ids, attention_mask=attn[:, :width], past_key_values=cache, use_cache=True,
-                    logits_to_keep=1)  # fmt: skip
+        out = model(input_ids=ids, attention_mask=mask, position_ids=positions(mask), past_key_values=cache,
+                    use_cache=True, logits_to_keep=1)  # fmt: skip
         for t in range(shape.COMPLETION):
             logits = out.logits[:, -1] / shape.TEMPERATURE  # (N, V)
             logits[:, eos] = float("-inf")  # min_tokens = max_tokens
@@ -38,15 +41,27 @@ def plain_sample(model: torch.nn.Module, ids: Tensor, eos: int, gen: torch.Gener
             out_tokens[:, t] = tok[:, 0]
             if t == shape.COMPLETION - 1:
                 break
-            out = model(input_ids=tok, attention_mask=attn[:, : width + t + 1], past_key_values=cache,
-                        use_cache=True)  # fmt: skip
+            out = model(input_ids=tok, attention_mask=attn[:, : width + t + 1], position_ids=lengths + t,
+                        past_key_values=cache, use_cache=True)  # fmt: skip
     return out_tokens
 
 
-def token_logprobs(model: torch.nn.Module, seq: Tensor) -> Tensor:
-    """(N, T) log-prob of each completion token; `seq` is (N, P + T) with no padding."""
+def positions(mask: Tensor) -> Tensor:
+    return (mask.cumsum(-1) - 1).clamp(min=0)
+
+
+def left_pad(prompts: list[list[int]], pad: int) -> tuple[Tensor, Tensor]:
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    return ids, mask
+
+
+def token_logprobs(model: torch.nn.Module, seq: Tensor, mask: Tensor) -> Tensor:
+    """(N, T) log-prob of each completion token; `seq` is (N, P + T), left-padded as `mask` says."""
     length = shape.COMPLETION
-    out = model(input_ids=seq, attention_mask=torch.ones_like(seq), use_cache=False, logits_to_keep=length + 1)
+    out = model(input_ids=seq, attention_mask=mask, position_ids=positions(mask), use_cache=False,
+                logits_to_keep=length + 1)  # fmt: skip
     logits = out.logits[:, :-1]  # (N, T, V): position t predicts completion token t
     logits = logits / shape.TEMPERATURE
     picked = logits.gather(-1, seq[:, -length:, None]).squeeze(-1)
@@ -81,7 +96,7 @@ def main() -> None:
     class _Tok:  # the Tokenizer protocol flowrl's engine needs (pad and EOS only)
         pad_id, eos_id = int(tok.pad_token_id), eos
 
-    names = ("sample (plain loop)", "sample (flowrl engine)", "old logp", "ref logp", "reward", "loss + backward",
+    names = ("sample (plain loop)", "sample (flowrl engine)", "ref logp", "reward", "loss + backward",
              "clip + AdamW")
     wall: dict[str, list[float]] = {k: [] for k in names}
     cpu: dict[str, list[float]] = {k: [] for k in names}
@@ -94,19 +109,18 @@ def main() -> None:
 
     for step in range(args.steps):
         batch = rows[step * shape.PROMPTS_PER_STEP : (step + 1) * shape.PROMPTS_PER_STEP]
-        prompts = [tok(r["prompt"])["input_ids"] for r in batch]  # BOS + 8 characters
-        ids = torch.tensor(prompts).repeat_interleave(shape.GROUP, dim=0)  # (N, P)
+        prompts = [tok(r["prompt"])["input_ids"] for r in batch]  # BOS + the characters
+        ids, mask = (x.repeat_interleave(shape.GROUP, dim=0) for x in left_pad(prompts, int(tok.pad_token_id)))
         marks.append(shape.cpu_mark())
-        completion = plain_sample(policy, ids, eos, gen)  # (N, T)
+        completion = plain_sample(policy, ids, mask, eos, gen)  # (N, T)
         clock("sample (plain loop)")
         generate(policy, _Tok(), prompts, n=shape.GROUP, max_tokens=shape.COMPLETION,  # type: ignore[arg-type]
                  min_tokens=shape.COMPLETION, temperature=shape.TEMPERATURE, generator=gen)  # fmt: skip
         clock("sample (flowrl engine)")
         seq = torch.cat([ids, completion], dim=1)  # (N, P + T)
+        seq_mask = torch.cat([mask, torch.ones_like(completion)], dim=1)
         with torch.inference_mode():
-            old = token_logprobs(policy, seq)
-            clock("old logp")
-            ref_lp = token_logprobs(ref, seq)
+            ref_lp = token_logprobs(ref, seq, seq_mask)
             clock("ref logp")
         texts = tok.batch_decode(completion.tolist(), skip_special_tokens=True)
         scores = torch.tensor([shape.reward(r["prompt"], c, answer=r["answer"])
@@ -115,7 +129,8 @@ def main() -> None:
         adv = ((grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + 1e-6)).flatten()
         clock("reward")
         optim.zero_grad(set_to_none=True)
-        loss = grpo_loss(token_logprobs(policy, seq), old, ref_lp, adv)
+        logp = token_logprobs(policy, seq, seq_mask)
+        loss = grpo_loss(logp, logp.detach(), ref_lp, adv)  # one optimizer step: the old log-probs are logp's
         loss.backward()
         clock("loss + backward")
         torch.nn.utils.clip_grad_norm_(policy.parameters(), shape.MAX_GRAD_NORM)

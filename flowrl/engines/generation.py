@@ -26,6 +26,7 @@ from flowrl.engines.forward import (
     forward_values,
     positions_from_mask,
 )
+from flowrl.models.attention import SharedPrefix, reads_shared_prefix
 from flowrl.models.tokenizer import Tokenizer
 
 __all__ = [
@@ -178,14 +179,21 @@ class _BufferedLayer(DynamicLayer):
 
     HF's DynamicLayer concatenates the whole cache every step (quadratic copying); this writes one slot and hands
     attention a view. Subclassing is the narrowest way to plug into HF's Cache protocol.
+
+    With `shared` (the model's attention reads a `SharedPrefix`, flowrl.models.attention), repeating the rows of
+    a prefilled prompt batch n times keeps the prompts' KV once instead: the buffer then holds each sample's own
+    tokens only, and every view handed to attention carries the prefix as `flowrl_prefix`.
     """
 
     is_croppable = False
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, shared: bool = False) -> None:
         super().__init__()
         self.capacity = capacity
-        self.length = 0
+        self.length = 0  # tokens per row, the prompt prefix included
+        self.shared = shared
+        self.prefix: SharedPrefix | None = None
+        self.base = 0  # tokens held by `prefix` (0 without one)
         self._keys: Tensor | None = None
         self._values: Tensor | None = None
 
@@ -200,47 +208,91 @@ class _BufferedLayer(DynamicLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         assert self._keys is not None and self._values is not None
-        start, end = self.length, self.length + key_states.shape[-2]
-        if end > self.capacity:
-            raise RuntimeError(f"KV buffer overflow: {end} > capacity {self.capacity}")
+        start, end = self.length - self.base, self.length - self.base + key_states.shape[-2]
+        if end > self._keys.shape[2]:
+            raise RuntimeError(f"KV buffer overflow: {end + self.base} > capacity {self.capacity}")
         self._keys[:, :, start:end] = key_states
         self._values[:, :, start:end] = value_states
-        self.length = end
+        self.length = end + self.base
         self._refresh_views()
-        return self._keys[:, :, :end], self._values[:, :, :end]
+        assert self.keys is not None and self.values is not None
+        return self.keys, self.values
 
     def get_seq_length(self) -> int:
         return self.length
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        if self._keys is not None and self._values is not None:
+        if self._keys is None or self._values is None:
+            return
+        if self.shared and self.prefix is None and self.length > 0:
+            # Keep the prompts once; the samples' own tokens go to a fresh (N, H, capacity - P, D) buffer.
+            keys, values = self._keys[:, :, : self.length], self._values[:, :, : self.length]
+            self.prefix, self.base = SharedPrefix.grouped(keys, values, repeats), self.length
+            rows, rest = keys.shape[0] * repeats, self.capacity - self.length
+            self._keys = keys.new_empty((rows, keys.shape[1], rest, keys.shape[3]))
+            self._values = values.new_empty((rows, values.shape[1], rest, values.shape[3]))
+        else:
+            self._materialize()
             self._keys = self._keys.repeat_interleave(repeats, dim=0)
             self._values = self._values.repeat_interleave(repeats, dim=0)
-            self._refresh_views()
+        self._refresh_views()
 
     def batch_select_indices(self, indices: Tensor) -> None:
         if self._keys is not None and self._values is not None:
             self._keys = self._keys[indices]
             self._values = self._values[indices]
+            if self.prefix is not None:
+                self.prefix = self.prefix.select(indices)
             self._refresh_views()
 
     def reorder_cache(self, beam_idx: Tensor) -> None:
         self.batch_select_indices(beam_idx)
 
+    def rows(self, indices: Tensor) -> tuple[Tensor, Tensor]:
+        """Whole (len(indices), H, length, D) keys and values of some rows (the prefix included), as copies."""
+        assert self._keys is not None and self._values is not None
+        own = self._keys[indices, :, : self.length - self.base], self._values[indices, :, : self.length - self.base]
+        if self.prefix is None:
+            return own[0].clone(), own[1].clone()
+        pk, pv = self.prefix.rows(indices)
+        return torch.cat([pk, own[0]], dim=2), torch.cat([pv, own[1]], dim=2)
+
+    def _materialize(self) -> None:
+        """Back to one buffer holding every row's whole cache (before a second repeat)."""
+        if self.prefix is None or self._keys is None:
+            return
+        keys, values = self.rows(torch.arange(self._keys.shape[0], device=self._keys.device))
+        self.prefix, self.base = None, 0
+        self._keys = keys.new_empty((keys.shape[0], keys.shape[1], self.capacity, keys.shape[3]))
+        self._values = values.new_empty((values.shape[0], values.shape[1], self.capacity, values.shape[3]))
+        self._keys[:, :, : self.length], self._values[:, :, : self.length] = keys, values
+
     def _refresh_views(self) -> None:
         assert self._keys is not None and self._values is not None
-        self.keys = self._keys[:, :, : self.length]
-        self.values = self._values[:, :, : self.length]
+        keys = self._keys[:, :, : self.length - self.base]
+        if self.prefix is not None:
+            keys.flowrl_prefix = self.prefix  # type: ignore[attr-defined]  # read by flowrl's attention
+        self.keys, self.values = keys, self._values[:, :, : self.length - self.base]
+
+
+def kv_rows(layer: DynamicLayer, rows: Tensor) -> tuple[Tensor, Tensor]:
+    """Copies of some rows' whole keys and values from any cache layer (a tail moving to another worker)."""
+    if isinstance(layer, _BufferedLayer):
+        return layer.rows(rows)
+    assert layer.keys is not None and layer.values is not None
+    return layer.keys[rows].clone(), layer.values[rows].clone()
 
 
 def _make_cache(module: nn.Module, capacity: int) -> tuple[Any, bool]:
-    """A DynamicCache for `module`; its plain full-attention layers swapped for buffered ones when possible."""
+    """A DynamicCache for `module`; its plain full-attention layers swapped for buffered ones when possible
+    (sharing the prompt prefix across samples when the model's attention reads one)."""
     config = getattr(module, "config", None)
     cache = DynamicCache(config=config) if config is not None else DynamicCache()
     layers = list(getattr(cache, "layers", []))
     # Sliding-window / linear-attention layers have their own semantics: keep HF's cache untouched for those.
     if layers and all(type(layer) is DynamicLayer for layer in layers):
-        cache.layers = [_BufferedLayer(capacity) for _ in layers]
+        shared = reads_shared_prefix(module)
+        cache.layers = [_BufferedLayer(capacity, shared) for _ in layers]
         return cache, True
     return cache, False
 

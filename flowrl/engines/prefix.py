@@ -33,6 +33,7 @@ from transformers.cache_utils import DynamicLayer
 
 from flowrl.engines.forward import _entropy, _token_logprobs
 from flowrl.engines.trie import PrefixPlan, plan_of, plan_prefixes
+from flowrl.models.attention import NAME as ATTENTION
 from flowrl.models.build import ValueModel
 
 __all__ = ["PromptCache", "packed_logprobs_entropy", "packed_values", "prefill", "shared_logprobs", "shared_values"]
@@ -225,6 +226,9 @@ def _single_pass(module: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, pro
 PACK_LIMIT = 1024  # packed rows longer than this would make the (q, q) mask cost more than the copies saved
 
 
+PACKABLE = ("sdpa", "eager", ATTENTION)  # attention that takes any 4-D mask (flash kernels take none)
+
+
 def _attention(module: nn.Module) -> str:
     lm: Any = module.backbone if isinstance(module, ValueModel) else module
     return str(getattr(lm.config, "_attn_implementation", "eager"))
@@ -313,7 +317,7 @@ def _shared(module: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, response
     out = torch.zeros(response_ids.shape, dtype=torch.float32, device=device)  # (N, T)
     row_prompt = torch.tensor(plan.row_prompt, device=device)
     per_prompt = max(plan.row_prompt.count(u) for u in set(plan.row_prompt))
-    packed = _attention(module) in ("sdpa", "eager") and per_prompt * (response_ids.shape[1] - 1) <= PACK_LIMIT
+    packed = _attention(module) in PACKABLE and per_prompt * (response_ids.shape[1] - 1) <= PACK_LIMIT
     packed = packed and response_ids.shape[1] > 1
     with torch.inference_mode():
         if packed and not plan.groups and not cached:  # nothing to reuse: prompts and responses in one call
@@ -383,7 +387,7 @@ def _packed_train(module: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, re
     length = response_ids.shape[1]
     if length < 2 or prompt_ids.shape[0] == 0 or not _supports_cache(module):
         return None
-    if _attention(module) not in ("sdpa", "eager"):
+    if _attention(module) not in PACKABLE:
         return None
     plan = plan_prefixes(prompt_ids, prompt_mask, min_len)
     per_prompt = max(plan.row_prompt.count(u) for u in set(plan.row_prompt))

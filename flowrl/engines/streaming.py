@@ -21,7 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from flowrl.engines.forward import positions_from_mask
-from flowrl.engines.generation import _check_args, _left_pad, _make_cache, _nucleus
+from flowrl.engines.generation import _check_args, _left_pad, _make_cache, _nucleus, kv_rows
 from flowrl.models.tokenizer import Tokenizer
 
 __all__ = ["GenChunk", "Sampling", "StreamControl", "Tail", "generate_stream", "resume_stream"]
@@ -230,7 +230,7 @@ class _Decoder:
         live = (~self.done).nonzero().squeeze(1)
         slots = self.rows[live]
         layers = self.cache.layers  # type: ignore[attr-defined]
-        kv = [(layer.keys[live].clone(), layer.values[live].clone()) for layer in layers]
+        kv = [kv_rows(layer, live) for layer in layers]
         used = sorted(set(self.seg[live].tolist()))
         remap = {old: new for new, old in enumerate(used)}
         segs = [self.segments[i] for i in used]

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from flowrl.models.attention import install as install_attention
 from flowrl.models.tokenizer import ByteTokenizer, CharTokenizer, HFTokenizer, Tokenizer
 
 __all__ = ["ROLES", "SOURCES", "LoadedModel", "ModelSpec", "ValueModel", "build_model", "copy_backbone"]
@@ -78,6 +79,7 @@ def build_model(spec: ModelSpec, seed: int) -> LoadedModel:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         lm, tokenizer = _build_lm(spec, dtype)
+        install_attention(lm)  # SDPA, with a faster one-query (decode) path on CPU
         module: nn.Module = lm
         kind = "causal_lm"
         if spec.role in _VALUE_ROLES:
