@@ -1,11 +1,12 @@
 """flowrl: RLHF algorithms as small dataflow programs, compiled to a graph and run on any backend.
 
-Scripting API: `load(path)` / `compile_flow(text, path=...)` return the compiled `Graph`; `run(graph, ...)`
-trains it; `@reward` and `@function` register Python callables that flows name.
+Scripting API: `load(path)` / `compile_flow(text, path=...)` return the compiled `Graph` after the default
+passes (as `flowrl run` does; `passes=False` or `no_pass=[...]` to leave them out); `run(graph, ...)` trains it; `@reward` and `@function` register Python callables that flows name.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from flowrl.errors import DataError, Diagnostic, ExecutionError, FlowError, RewardError
@@ -18,18 +19,33 @@ if TYPE_CHECKING:
 __version__ = "0.1.0"
 
 
-def load(path: str, overrides: dict[str, str] | None = None) -> Graph:
-    """Parse, check and lower a `.flow` file; raises FlowError with every diagnostic of the file."""
+def load(path: str, overrides: dict[str, str] | None = None, *, passes: bool = True,
+         no_pass: Sequence[str] = ()) -> Graph:
+    """Parse, check and lower a `.flow` file, then run the default passes but `no_pass` (what `flowrl run`
+    executes; `passes=False` returns the graph as written). Raises FlowError with every diagnostic of the file."""
     from flowrl.dsl import load as _load
 
-    return _load(path, overrides=overrides)
+    return _optimize(_load(path, overrides=overrides), passes, no_pass)
 
 
-def compile_flow(text: str, path: str = "<string>", overrides: dict[str, str] | None = None) -> Graph:
+def compile_flow(text: str, path: str = "<string>", overrides: dict[str, str] | None = None, *,
+                 passes: bool = True, no_pass: Sequence[str] = ()) -> Graph:
     """Like `load`, from text; `path` is used in diagnostics and to resolve relative data paths."""
     from flowrl.dsl import compile_flow as _compile
 
-    return _compile(text, path=path, overrides=overrides)
+    return _optimize(_compile(text, path=path, overrides=overrides), passes, no_pass)
+
+
+def _optimize(graph: Graph, passes: bool, no_pass: Sequence[str]) -> Graph:
+    if not passes:
+        return graph
+    from flowrl.passes import PassSelectionError, run_passes, select
+
+    try:
+        chosen = select(None, list(no_pass))
+    except PassSelectionError as e:
+        raise FlowError(str(e)) from None
+    return run_passes(graph, chosen)
 
 
 def run(graph: Graph, **kwargs: Any) -> RunResult:

@@ -45,8 +45,12 @@ def test_every_stdlib_algorithm_runs(tmp_path: Path, algo: str) -> None:
     assert [r["step"] for r in res.metrics] == [1, 2]
     row = res.metrics[-1]
     for key in ("reward_mean", "response_len_mean", "kl_mean", "loss", "step_time_s", "gen_tokens",
-                "time/rollout", "time/old_logp", "time/actor.update"):
+                "time/rollout", "time/ref_logp", "time/actor.update"):
         assert key in row, key
+    if algo == "reinforce_pp":  # its advantages read old_logp (the KL in the reward): the forward stays
+        assert "time/old_logp" in row
+    else:  # one optimizer step per rollout: on-policy-logp dropped the forward; the update measures kl_mean
+        assert "time/old_logp" not in row and row["kl_mean"] == row["actor/kl_mean"]
     if algo == "ppo":
         assert "critic/vf_loss" in row and "time/values" in row
 
@@ -60,7 +64,7 @@ def test_run_directory_has_everything(tmp_path: Path) -> None:
     trace = json.loads((out / "trace.json").read_text())["traceEvents"]
     spans = [e for e in trace if e["ph"] == "X"]
     nodes = {e["name"] for e in spans}
-    assert {"prompts", "rollout", "old_logp", "ref_logp", "scores", "adv", "actor.update"} <= nodes
+    assert {"prompts", "rollout", "ref_logp", "scores", "adv", "actor.update"} <= nodes
     assert len(spans) == 4 * len(nodes)  # one span per node per step
     assert {e["args"]["name"] for e in trace if e["name"] == "thread_name"} >= {"controller", "colocated"}
 
@@ -200,3 +204,13 @@ def test_unavailable_engine_is_a_clear_error(tmp_path: Path) -> None:
         run(graph, out_dir=tmp_path / "out", steps=1)
     text = err.value.render()
     assert 'engine "vllm"' in text and "Traceback" not in text
+
+
+def test_the_scripting_api_runs_the_default_passes_like_the_cli(tmp_path: Path) -> None:
+    path = str(write_flow(tmp_path))
+    graph = flowrl.load(path)
+    assert [p.name for p in graph.passes][:1] == ["on-policy-logp"] and not graph.has_node("old_logp")
+    assert flowrl.load(path, passes=False).has_node("old_logp")
+    assert "on-policy-logp" not in [p.name for p in flowrl.load(path, no_pass=["on-policy-logp"]).passes]
+    with pytest.raises(FlowError, match="unknown pass 'nope'"):
+        flowrl.load(path, no_pass=["nope"])
