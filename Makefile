@@ -38,7 +38,8 @@ bench: setup
 	test -f bench/.venv-trl/.trl-installed || { bench/.venv-trl/bin/pip install -q -c constraints.txt torch==2.13.0 \
 	  && bench/.venv-trl/bin/pip install -q -c constraints.txt trl==1.16.0 -e . && touch bench/.venv-trl/.trl-installed; }
 	$(BIN)/python bench/gen_speed.py
-	$(BIN)/python bench/grpo_vs_trl.py
+	$(BIN)/python bench/grpo_vs_trl.py --shape short
+	$(BIN)/python bench/grpo_vs_trl.py --shape fewshot
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .mypy_cache .ruff_cache

@@ -16,8 +16,9 @@ from flowrl.runtime import runner
 
 pytestmark = [pytest.mark.ray, pytest.mark.usefixtures("ray_session")]
 
-# Model calls per GRPO step: generate, actor.logprobs, ref.logprobs, actor.update.
-CALLS_PER_STEP = 4
+# Model calls per GRPO step: generate, ref.logprobs, actor.update (the on-policy-logp pass dropped the
+# actor.logprobs forward). A rank counts its model calls from 1.
+CALLS_PER_STEP = 3
 
 
 def _run(graph: Graph, out: Path, use_backend: Callable[[Any], None],
@@ -32,7 +33,7 @@ def _run(graph: Graph, out: Path, use_backend: Callable[[Any], None],
 
 def test_one_rank_killed_mid_step(tiny: Callable[..., Graph], tmp_path: Path, local_metrics: Callable[..., Any],
                                   same_metrics: Callable[..., None], use_backend: Callable[[Any], None]) -> None:
-    # The only rank dies at step 4's actor.logprobs: rebuilt from the snapshot taken after step 2's update
+    # The only rank dies at step 4's ref.logprobs: rebuilt from the snapshot taken after step 2's update
     # (one every 2 updates here), then step 3's update is replayed.
     metrics, restarts = _run(tiny(steps=4), tmp_path, use_backend, snapshot_every=2,
                              crash_on_call={"colocated": {0: 3 * CALLS_PER_STEP + 2}})
@@ -50,6 +51,6 @@ def test_two_ranks_one_killed_in_the_gradient_all_reduce(tiny: Callable[..., Gra
     graph = graph.with_nodes([replace(n, dispatch="broadcast") if n.op == "generate" else n for n in graph.nodes])
     # Rank 1 dies at step 2's update, while rank 0 waits for it in the all-reduce; both are rebuilt from the
     # initial weights and replay step 1's update (no snapshot yet: one is taken every 10 updates by default).
-    metrics, restarts = _run(graph, tmp_path, use_backend, crash_on_call={"colocated": {1: CALLS_PER_STEP + 4}})
+    metrics, restarts = _run(graph, tmp_path, use_backend, crash_on_call={"colocated": {1: 2 * CALLS_PER_STEP}})
     assert restarts == [0, 1, 1]
     same_metrics(local_metrics(), metrics)
