@@ -116,6 +116,8 @@ def attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, atte
         pk, pv = prefix.rows(rows)
         key, value = torch.cat([pk, key], dim=2), torch.cat([pv, value], dim=2)
     one_query = query.shape[2] == 1 and query.device.type == "cpu"
+    if attention_mask is not None and attention_mask.shape[-1] != key.shape[2]:
+        one_query = False  # not the plain cache layout this path assumes: HF's SDPA decides
     if not one_query or (dropout and module.training) or kwargs.get("position_bias") is not None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)  # fmt: skip
@@ -123,12 +125,10 @@ def attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, atte
     if groups > 1:
         key, value = repeat_kv(key, groups), repeat_kv(value, groups)
     scores = torch.matmul(query, key.transpose(-1, -2)) * scale  # (b, heads, 1, k)
-    if attention_mask is not None:
-        mask = attention_mask[..., -key.shape[2]:]
-        if mask.dtype == torch.bool:
-            scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
-        else:
-            scores = scores + mask
+    if attention_mask is not None and attention_mask.dtype == torch.bool:
+        scores = scores.masked_fill(~attention_mask, torch.finfo(scores.dtype).min)
+    elif attention_mask is not None:
+        scores = scores + attention_mask
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(value.dtype)
     return torch.matmul(probs, value).transpose(1, 2).contiguous(), None
 
@@ -145,10 +145,20 @@ def install(model: nn.Module) -> None:
         _registered = True
     config = getattr(model, "config", None)
     if config is not None and getattr(config, "_attn_implementation", None) == "sdpa":
-        model.set_attn_implementation(NAME)  # type: ignore[operator]
+        try:
+            model.set_attn_implementation(NAME)  # type: ignore[operator]
+        except (ValueError, AttributeError, NotImplementedError):
+            pass  # a model that cannot switch keeps HF's SDPA: correct, only without the faster decode
+
+
+# Architectures whose attention layers hand the cache's keys to the attention function unchanged (checked
+# for GPT-2 and Llama by tests/models/test_attention.py; Qwen2/3 and Mistral share Llama's attention code).
+# Elsewhere the prompt KV is copied per sample, as plain HF caching does.
+CASCADE_MODELS = frozenset({"gpt2", "llama", "mistral", "qwen2", "qwen3"})
 
 
 def reads_shared_prefix(module: nn.Module) -> bool:
-    """Whether `module`'s attention is `NAME`, which reads a `SharedPrefix` attached to the cache's keys."""
+    """Whether `module`'s attention is `NAME` on an architecture that passes a `SharedPrefix` through."""
     lm: Any = getattr(module, "backbone", module)
-    return getattr(getattr(lm, "config", None), "_attn_implementation", None) == NAME
+    config = getattr(lm, "config", None)
+    return getattr(config, "_attn_implementation", None) == NAME and getattr(config, "model_type", "") in CASCADE_MODELS

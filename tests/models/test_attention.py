@@ -54,6 +54,25 @@ def test_cascade_equals_full_attention(groups: int, drop: bool, float_mask: bool
     assert (plain - expected).abs().max() <= 1e-5
 
 
+def test_several_queries_over_a_shared_prefix_see_the_whole_cache() -> None:
+    """Not a decode step (two new tokens per row): the prefix is materialised and HF's SDPA runs."""
+    gen = torch.Generator().manual_seed(1)
+    pk, pv = (torch.randn(2, 2, 5, 4, generator=gen) for _ in range(2))
+    k, v, q = (torch.randn(6, 2, 3, 4, generator=gen) for _ in range(3))
+    q = q[:, :, 1:]  # (6, 2, 2, 4): the last two of the three own tokens are queries
+    mask = torch.ones(6, 1, 2, 8, dtype=torch.bool)
+    mask[:, :, 0, -1] = False  # causal among the two new tokens
+    key = k.clone()
+    key.flowrl_prefix = SharedPrefix.grouped(pk, pv, 3)  # type: ignore[attr-defined]
+    module = SimpleNamespace(num_key_value_groups=1, training=False, is_causal=True)
+    got, _ = attention(module, q, key, v, mask)  # type: ignore[arg-type]
+    full_k = torch.cat([pk.repeat_interleave(3, dim=0), k], dim=2)
+    full_v = torch.cat([pv.repeat_interleave(3, dim=0), v], dim=2)
+    scores = (q @ full_k.transpose(-1, -2)) / 2.0
+    expected = (torch.softmax(scores.masked_fill(~mask, float("-inf")), -1) @ full_v).transpose(1, 2)
+    assert (got - expected).abs().max() <= 1e-5
+
+
 def test_generation_keeps_each_prompt_once_and_samples_as_unshared(monkeypatch: pytest.MonkeyPatch) -> None:
     tok = ByteTokenizer()
     module = build_model(ModelSpec("tiny:gpt2", {"layers": 2, "dim": 32, "heads": 2}), seed=0).module
