@@ -7,10 +7,13 @@ back in sample order at the end (`assemble`), so downstream nodes see the number
 
 - One rank (the local backend): generation and the chunk forwards interleave on the one worker.
 - Several ranks (any `RankGroup`: `world` and `on_rank(rank, method, ...)`, as `flowrl.runtime.ranks` (threads)
-  and `flowrl.runtime.procs` (processes) provide; a Ray group can too): each rank is driven by a thread here. Finished chunks queue up; a rank whose generation is over takes forwards from
-  the queue. When fewer than `migrate_below` of the samples are still decoding, every rank hands its unfinished
-  rows over (`Tail`) and they resume together on the fewest ranks that hold them (those with the most rows),
-  so the other ranks are freed for the forwards (RLHFuse). Sampling state moves with the rows: same samples.
+  and `flowrl.runtime.procs` (processes) provide; a Ray group can too): each rank is driven by a thread here.
+  With `chunk_forwards = "own-rank"` (the pass's default) a rank runs the forwards on its own chunks between
+  decode steps, where its prompts are cached; with "free-rank" finished chunks queue up and a rank whose
+  generation is over takes forwards from the queue. When fewer than `migrate_below` of the samples are still
+  decoding and forwards are queued, every rank hands its unfinished rows over (`Tail`) and they resume
+  together on the fewest ranks that hold them (those with the most rows), so the other ranks are freed for
+  the queued forwards (RLHFuse). Sampling state moves with the rows: same samples.
 """
 
 from __future__ import annotations
@@ -68,6 +71,38 @@ def chunk_batches(stream: Iterator[GenChunk | Tail], tok: Tokenizer, n: int,
             "gen_logp": item.logprobs.cpu(), "sample": item.samples.cpu(), "pad": torch.full((size,), tok.pad_id),
         }
         yield Batch(size, tensors, {"response": responses}, primary="response_ids")
+
+
+@dataclass(frozen=True)
+class ChunkForward:
+    """A forward a generation rank runs itself on each of its chunks (`GenInfer`'s "own-rank" schedule)."""
+
+    node: str
+    op: str  # logprobs | values | score
+    model: str
+    attrs: Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class Scored:
+    """A chunk with the results of its `ChunkForward`s: node id -> (output, seconds it took)."""
+
+    batch: Batch
+    outs: Mapping[str, tuple[Batch, float]]
+
+
+def score_chunks(worker: Any, items: Iterator[Batch | Tail], inline: Sequence[ChunkForward]
+                 ) -> Iterator[Batch | Tail | Scored]:
+    """Run `inline` on every chunk as it comes out of the stream (in the rank's own process)."""
+    for item in items:
+        if isinstance(item, Tail) or not inline:
+            yield item
+            continue
+        outs: dict[str, tuple[Batch, float]] = {}
+        for f in inline:
+            t0 = time.perf_counter()
+            outs[f.node] = (getattr(worker, f.op)(f.model, item, dict(f.attrs)), time.perf_counter() - t0)
+        yield Scored(item, outs)
 
 
 def assemble(batches: Sequence[Batch], samples: Sequence[torch.Tensor]) -> Batch:
@@ -169,6 +204,8 @@ class GenInfer:
         self.remaining: dict[int, int] = {}
         self.exporting: set[int] = set()
         self.triggered = False
+        self.queued = 0  # forwards waiting for a rank that is not generating
+        self.inlined = 0  # chunks whose forwards their own rank ran
 
     # -- the two drivers -------------------------------------------------------------------------------
     def run(self) -> tuple[Batch, dict[str, Batch], dict[str, float]]:
@@ -212,7 +249,7 @@ class GenInfer:
             generating.add(r)
             jobs[r].put(("stream", "generate_stream", (self.gen.model, shard, self.attrs),
                          dict(step_seed=rank_seed(self.step_seed, r), first_prompt=first,
-                              control=_Control(self, r, True))))
+                              control=_Control(self, r, True), inline=self._inline())))
         busy = set(generating)
         pending: deque[tuple[int, Node]] = deque()
         tails: dict[int, Tail] = {}
@@ -222,8 +259,11 @@ class GenInfer:
             if kind == "error":
                 raise payload[0]
             if kind == "chunk":
-                cid = self._add_chunk(payload[0])
-                pending.extend((cid, node) for node in self.forwards)
+                item = payload[0]
+                cid = self._add_chunk(item.batch if isinstance(item, Scored) else item)
+                done = self._record_scored(rank, cid, item) if isinstance(item, Scored) else set()
+                pending.extend((cid, node) for node in self.forwards if node.id not in done)
+                self.inlined += bool(done)
             elif kind == "tail":
                 tails[rank] = payload[0]
             elif kind in ("stream_end", "done"):
@@ -244,6 +284,8 @@ class GenInfer:
                     cid, node = pending.popleft()
                     busy.add(r)
                     jobs[r].put(("forward", cid, node))
+            with self.lock:
+                self.queued = len(pending)
 
     def _rank_loop(self, rank: int, jobs: queue.Queue[Any], events: queue.Queue[tuple[Any, ...]]) -> None:
         while (job := jobs.get()) is not None:
@@ -266,12 +308,33 @@ class GenInfer:
                 events.put(("error", rank, e))
 
     # -- pieces --------------------------------------------------------------------------------------
+    def _inline(self) -> list[ChunkForward]:
+        """The forwards each generating rank runs on its own chunks between its decode steps ("own-rank", the
+        pass's default): the prompts are in its cache and no chunk waits for a free rank. "free-rank" leaves
+        every chunk to ranks that are not generating (RLHFuse's split). Migrated tails' chunks go to free ranks."""
+        if str(self.attrs.get("chunk_forwards", "own-rank")) != "own-rank":
+            return []
+        return [ChunkForward(f.id, str(f.op), str(f.model), dict(f.attrs)) for f in self.forwards
+                if f.worker_group not in self.other]
+
+    def _record_scored(self, rank: int, cid: int, item: Scored) -> set[str]:
+        now = time.perf_counter()
+        with self.lock:
+            meta = self.chunks[cid].meta  # the rank scored the chunk before its prompt fields were added
+            for node_id, (out, secs) in item.outs.items():
+                self.results[node_id].append((cid, Batch(out.size, out.tensors, meta, out.primary)))
+                self.timeline.append(Timed(node_id, rank, now - secs, now))
+        return set(item.outs)
+
     def progress(self, rank: int, remaining: int) -> None:
         """Called by rank threads each decode step; fires the migration once (RLHFuse's trigger)."""
         with self.lock:
             self.remaining[rank] = remaining
             left = sum(self.remaining.values())
-            if not self.triggered and 0 < left < float(str(self.attrs.get("migrate_below", 0.2))) * self.total:
+            # Migrating frees ranks for queued forwards; with none queued (each rank scores its own chunks) it
+            # would only cost the hand-over, so the tail stays where it is.
+            if not self.triggered and self.queued > 0 and \
+                    0 < left < float(str(self.attrs.get("migrate_below", 0.2))) * self.total:
                 self.triggered = True
                 self.exporting = {r for r, k in self.remaining.items() if k > 0}
 
@@ -326,6 +389,7 @@ class GenInfer:
         busy = sum(t.end - t.start for t in infer)
         overlap = sum(max(0.0, min(t.end, gen_end) - t.start) for t in infer)
         metrics = {"fusion/chunks": float(len(self.chunks)), "fusion/migrated": float(self.migrated),
+                   "fusion/inline_chunks": float(self.inlined),
                    "fusion/workers": float(self.ranks.world), "fusion/gen_s": gen_end - start,
                    "fusion/infer_s": busy, "fusion/overlap_s": overlap,
                    "fusion/overlap_frac": overlap / busy if busy > 0 else 0.0}

@@ -22,7 +22,7 @@ from flowrl.ir.graph import ModelDecl
 from flowrl.models.build import LoadedModel, ModelSpec, build_model, copy_backbone
 from flowrl.runtime.batch import Batch
 from flowrl.runtime.schedule import Turn, interleave, taking_turns
-from flowrl.runtime.streaming import chunk_batches, chunk_of, sampling_of
+from flowrl.runtime.streaming import ChunkForward, Scored, chunk_batches, chunk_of, sampling_of, score_chunks
 
 ROLLOUT_KEYS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "temperature")
 
@@ -144,15 +144,17 @@ class ModelWorker:
 
     # fuse-gen-inference: generation as a stream of finished-sample chunks (flowrl.runtime.streaming)
     def generate_stream(self, model: str, prompts: Batch, attrs: Mapping[str, Any], *, step_seed: int,
-                        first_prompt: int = 0, control: StreamControl | None = None) -> Iterator[Batch | Tail]:
-        """`generate`'s samples (same seed, same samples), handed over in chunks as they finish."""
+                        first_prompt: int = 0, control: StreamControl | None = None,
+                        inline: Sequence[ChunkForward] = ()) -> Iterator[Batch | Tail | Scored]:
+        """`generate`'s samples (same seed, same samples), handed over in chunks as they finish. With `inline`,
+        this rank runs those forwards on each chunk right away, between decode steps (`Scored` items)."""
         loaded, n = self.models[model], int(attrs.get("n", 1))
         ids = self._prompt_ids(model, prompts, int(attrs.get("max_tokens", 256)))
         stream = generate_stream(loaded.module, loaded.tokenizer, ids, n=n, sampling=sampling_of(attrs),
                                  generator=torch.Generator(device="cpu").manual_seed(step_seed),
                                  chunk=chunk_of(attrs), share_prefix=bool(attrs.get("share_prefix", False)),
                                  first_sample=first_prompt * n, control=control, device=str(self.device))
-        return chunk_batches(stream, loaded.tokenizer, n, attrs)
+        return score_chunks(self, chunk_batches(stream, loaded.tokenizer, n, attrs), inline)
 
     def resume_stream(self, model: str, tails: Sequence[Tail], attrs: Mapping[str, Any], *,
                       control: StreamControl | None = None) -> Iterator[Batch | Tail]:

@@ -33,8 +33,9 @@ def test_fuses_generation_with_the_forwards_over_its_rollout(ppo: Callable[..., 
     gen = g.node("rollout")
     assert (gen.attrs["fusion_kind"], gen.attrs["stream_chunk"], gen.attrs["migrate_below"]) == ("inter-stage", 4, 0.2)
     assert all(g.node(i).attrs["fusion_kind"] == "inter-stage" for i in FUSED)
-    assert notes == ["rollout: streams chunks of 4 finished samples into old_logp, ref_logp, values, scores; "
-                     "the tail migrates below 20% unfinished"]
+    assert notes == ["rollout: streams chunks of 4 finished samples into old_logp, ref_logp, values, scores, each "
+                     "rank scoring its own chunks (own-rank); the tail migrates below 20% unfinished when forwards "
+                     "are queued for freed ranks"]
 
 
 NO_FORWARDS = f"""
@@ -198,11 +199,20 @@ def test_a_run_computes_the_same_numbers_with_and_without_it(ppo: Callable[..., 
     assert_same_numbers(on, run_steps(passes(g)))
 
 
-def test_two_ranks_migrate_the_tail_and_compute_the_same_numbers(ppo: Callable[..., Graph]) -> None:
+@pytest.mark.parametrize("where", ["own-rank", "free-rank"])
+def test_two_ranks_migrate_the_tail_and_compute_the_same_numbers(ppo: Callable[..., Graph], where: str) -> None:
     g = passes(ppo(n=4, batch=4), "fuse-gen-inference")
-    eager = g.with_nodes([n.with_attrs(migrate_below=0.9) if n.id == "rollout" else n for n in g.nodes])
+    assert g.node("rollout").attrs["chunk_forwards"] == "own-rank"
+    eager = g.with_nodes([n.with_attrs(migrate_below=0.9, chunk_forwards=where) if n.id == "rollout" else n
+                          for n in g.nodes])
     on = run_steps(eager, backend=ThreadedLocalBackend(2))
     assert all(r.metrics["fusion/workers"] == 2 for r in on)
+    migrated = sum(r.metrics["fusion/migrated"] for r in on)
+    inline = sum(r.metrics["fusion/inline_chunks"] for r in on)
+    if where == "own-rank":  # each rank scores its own chunks: nothing queued, so the tail stays put
+        assert inline > 0 and migrated == 0
+    else:  # chunks queue for free ranks: the tail moves to free one
+        assert inline == 0 and migrated > 0
     assert_same_numbers(on, run_steps(passes(ppo(n=4, batch=4)), backend=ThreadedLocalBackend(2)))
 
 

@@ -34,7 +34,8 @@ def test_each_pass_switches_off(off: str) -> None:
 def test_explain_says_what_each_pass_did(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["compile", str(EXAMPLES / "longtail_ppo.flow"), "--explain"]) == 0
     out = capsys.readouterr().out
-    assert "rollout = actor.generate(prompts=prompts) {fusion=\"gen-infer:rollout\", fusion_kind=\"inter-stage\"" in out
+    assert ("rollout = actor.generate(prompts=prompts) {chunk_forwards=\"own-rank\", fusion=\"gen-infer:rollout\", "
+            "fusion_kind=\"inter-stage\"") in out
     assert "pass share-prefix: changed the graph" in out
     assert "  - rollout: streams chunks of 32 finished samples into old_logp, ref_logp, values, scores" in out
     assert "  - actor.update + critic.update: one training stage, interleave in worker group colocated" in out
