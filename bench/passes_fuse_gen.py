@@ -5,9 +5,10 @@
 One worker: the local backend; generation and the chunk forwards interleave on the one worker (nothing runs
 in parallel: what streaming buys there is that early chunks are only as wide as their own longest response).
 Two workers: `flowrl.runtime.procs.ProcessBackend` (two spawned rank processes per worker group, each with
-its own copy of the models, one torch thread each; updates in the parent), where the long tail migrates to
-one rank and the other runs the forwards. Both sides use the same backend; only the pass differs. The affected stage is generation
-plus the forwards over the rollout (GRPO: old_logp, ref_logp; PPO: also values, scores).
+its own copy of the models, one torch thread each; data-parallel updates), where each rank scores its own
+chunks between decode steps (the pass's `chunk_forwards = "own-rank"`). Both sides use the same backend; only
+the pass differs. The affected stage is generation plus the forwards over the rollout (GRPO: old_logp,
+ref_logp; PPO: also values, scores).
 """
 
 from __future__ import annotations
