@@ -8,7 +8,9 @@ their type and carry the worker's own traceback (`remote_traceback`) for the con
 from __future__ import annotations
 
 import os
+import queue
 import socket
+import threading
 import traceback
 from collections.abc import Sequence
 from datetime import timedelta
@@ -21,6 +23,7 @@ from flowrl.backends.ray.dispatch import MODEL_CALLS
 from flowrl.ir.graph import ModelDecl
 from flowrl.runtime.worker import ModelWorker
 
+TICK_S = 0.02  # a stream pull returns at least this often, carrying the rank's progress
 DIST_TIMEOUT = timedelta(seconds=120)  # a collective that waits longer than this has lost a peer
 
 
@@ -33,6 +36,9 @@ class RankActor:
         self.rank, self.world = rank, world
         self.crash_on_call = crash_on_call
         self.calls = 0
+        self._items: queue.Queue[tuple[str, Any]] = queue.Queue()
+        self._export: bool = False  # the export request the last stream_next brought
+        self._remaining: int | None = None  # the stream's last progress report
         self.worker = ModelWorker(models, all_models, seed=seed, device=device, rank=rank, world=world)
 
     def ready(self) -> int:
@@ -69,7 +75,53 @@ class RankActor:
                 pass
             raise
 
+    # ---- streams: fuse-gen-inference pulls a rank's chunks one by one (RayWorkerGroup.on_rank) -------
+    def stream_open(self, method: str, args: Sequence[Any], kwargs: dict[str, Any], controlled: bool) -> None:
+        """Start `method` (generate_stream / resume_stream) on a thread of this actor; with `controlled`, its
+        StreamControl reports the rank's unfinished rows and reads the export request of the last pull."""
+        self._export, self._remaining = False, None
+        if controlled:
+            kwargs = {**kwargs, "control": _PulledControl(self)}
+        items: queue.Queue[tuple[str, Any]] = queue.Queue()
+
+        def produce() -> None:
+            try:
+                for item in self.run(method, *args, **kwargs):
+                    items.put(("item", item))
+                items.put(("end", None))
+            except BaseException as e:  # re-raised by the pull that finds it
+                items.put(("error", e))
+
+        self._items = items
+        threading.Thread(target=produce, name=f"flowrl-{method}", daemon=True).start()
+
+    def stream_next(self, export: bool) -> tuple[str, Any, int | None]:
+        """The stream's next item ("item", x, rows left), its end ("end", None, rows left), or, when none came
+        within TICK_S, ("tick", None, rows left): the scheduler sees progress and can ask for an export then."""
+        self._export = export
+        try:
+            kind, item = self._items.get(timeout=TICK_S)
+        except queue.Empty:
+            return "tick", None, self._remaining
+        if kind == "error":
+            raise item
+        return kind, item, self._remaining
+
     def stats(self) -> dict[str, Any]:
         """What this rank has done (tests use it to see which ranks a dispatch mode ran)."""
         return {"rank": self.rank, "world": self.world, "calls": self.calls, "pid": os.getpid(),
                 "threads": torch.get_num_threads()}
+
+
+class _PulledControl:
+    """A StreamControl inside the actor: progress is kept for the next `stream_next` reply, and the export
+    request is the flag the last `stream_next` call brought (so it is seen at the next decode step after it)."""
+
+    def __init__(self, actor: RankActor):
+        self.actor = actor
+
+    def progress(self, remaining: int) -> None:
+        self.actor._remaining = remaining
+
+    def should_export(self) -> bool:
+        return bool(self.actor._export)

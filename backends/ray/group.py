@@ -16,7 +16,7 @@ weights, inputs and seeds, and a snapshot after every update would copy the whol
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -29,6 +29,7 @@ from flowrl.backends.ray import dispatch
 from flowrl.backends.ray.actor import RankActor
 from flowrl.errors import FlowError
 from flowrl.ir.graph import ModelDecl
+from flowrl.runtime.streaming import STREAMS
 
 if TYPE_CHECKING:
     from flowrl.backends.ray.sync import WeightSync
@@ -159,6 +160,35 @@ class RayWorkerGroup:
                 self.sync.pull(m, self.name)
         plan = _plan(method, args, kwargs, dispatch, self.world)
         return RayFuture(self, plan, self._submit(plan))
+
+    # ---- one rank at a time (the fuse-gen-inference scheduler, flowrl.runtime.streaming.RankGroup) -------
+    def on_rank(self, rank: int, method: str, *args: Any, **kwargs: Any) -> Any:
+        """`method` on rank `rank` alone; a stream (generate_stream, resume_stream) is pulled item by item (or
+        every TICK_S without one), carrying the rank's progress up and the scheduler's export request down."""
+        if method in STREAMS:
+            return self._stream(rank, method, args, kwargs)
+        return self._one(rank, self.actors[rank].run.remote(method, *args, **kwargs), method)
+
+    def _stream(self, rank: int, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[Any]:
+        control = kwargs.pop("control", None)
+        actor = self.actors[rank]
+        self._one(rank, actor.stream_open.remote(method, args, kwargs, control is not None), method)
+        export = False
+        while True:
+            kind, item, remaining = self._one(rank, actor.stream_next.remote(export), method)
+            if control is not None and remaining is not None:
+                control.progress(remaining)
+                export = control.should_export()
+            if kind == "end":
+                return
+            if kind == "item":
+                yield item
+
+    def _one(self, rank: int, ref: ray.ObjectRef, what: str) -> Any:
+        try:
+            return self._gather([ref], f"{what} on rank {rank}")[0]
+        except RankLost as lost:  # a fused stage is not replayed rank by rank: the step fails, clearly
+            raise WorkerLostError(f"worker group {self.name}: {lost} during a fused stage") from None
 
     def state_dict(self) -> dict[str, Any]:
         state: dict[str, Any] = self.call("state_dict", dispatch="rank0").result()

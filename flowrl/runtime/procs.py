@@ -27,9 +27,8 @@ from flowrl.engines.training import merge_ranks
 from flowrl.ir.graph import Graph, ModelDecl
 from flowrl.runtime.protocol import Done, Future, WorkerGroup
 from flowrl.runtime.ranks import SPLIT, split_call
+from flowrl.runtime.streaming import STREAMS
 from flowrl.runtime.worker import ModelWorker
-
-STREAMS = ("generate_stream", "resume_stream")
 
 
 def _plain(decl: ModelDecl) -> ModelDecl:

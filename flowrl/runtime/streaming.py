@@ -36,6 +36,7 @@ from flowrl.models.tokenizer import Tokenizer
 from flowrl.runtime.batch import Batch
 from flowrl.runtime.schedule import THREADS
 
+STREAMS = ("generate_stream", "resume_stream")  # worker methods that yield items (RankGroup.on_rank streams)
 SCRATCH = ("sample", "pad")  # per-chunk bookkeeping tensors, dropped when chunks are assembled
 
 
