@@ -206,6 +206,7 @@ class GenInfer:
         self.exporting: set[int] = set()
         self.triggered = False
         self.queued = 0  # forwards waiting for a rank that is not generating
+        self.own_rank = bool(self._inline())  # generating ranks score their own chunks
         self.inlined = 0  # chunks whose forwards their own rank ran
 
     # -- the two drivers -------------------------------------------------------------------------------
@@ -332,9 +333,10 @@ class GenInfer:
         with self.lock:
             self.remaining[rank] = remaining
             left = sum(self.remaining.values())
-            # Migrating frees ranks for queued forwards; with none queued (each rank scores its own chunks) it
-            # would only cost the hand-over, so the tail stays where it is.
-            if not self.triggered and self.queued > 0 and \
+            # Migrating frees ranks for the forwards. With free-rank scoring they wait for exactly that; when each
+            # rank scores its own chunks, only forwards still queued would gain, else the tail stays put.
+            worth_it = not self.own_rank or self.queued > 0
+            if not self.triggered and worth_it and \
                     0 < left < float(str(self.attrs.get("migrate_below", 0.2))) * self.total:
                 self.triggered = True
                 self.exporting = {r for r, k in self.remaining.items() if k > 0}
