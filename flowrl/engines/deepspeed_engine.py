@@ -47,9 +47,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
-from flowrl.engines.training import MB, LossFn, reduce_metrics
+from flowrl.engines.training import MB, LossFn, accumulate, reduce_metrics
 
 __all__ = ["INSTALL_HINT", "DeepSpeedTrainEngine", "import_deepspeed"]
 
@@ -133,14 +133,12 @@ class DeepSpeedTrainEngine:
         if not micro_batches:
             raise ValueError("DeepSpeedTrainEngine.step needs at least one micro-batch")
         engine = self.forward_module
-        total_loss = 0.0
-        seen: list[dict[str, float]] = []
-        for mb in micro_batches:
-            loss, metrics = loss_fn(mb)
+
+        def backward(loss: Tensor) -> None:
             # The caller already scaled the loss (micro losses sum to the mini-batch loss): no 1/gas here.
             engine.backward(loss * self._loss_factor if self._loss_factor != 1.0 else loss, scale_wrt_gas=False)
-            total_loss += float(loss.detach())
-            seen.append(metrics)
+
+        total_loss, seen = accumulate(micro_batches, loss_fn, backward)
         skipped_before = int(engine.skipped_steps)
         self._norm = None
         engine.step()

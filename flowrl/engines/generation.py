@@ -144,7 +144,10 @@ class _Sampler:
         self.eos = eos
         self.generator = generator
 
-    def __call__(self, logits: Tensor, step: int) -> tuple[Tensor, Tensor]:
+    def __call__(self, logits: Tensor, step: int, draw_rows: int | None = None,
+                 pick: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """(tokens, their log-probs) for (rows, V) logits. The noise is drawn as (`draw_rows`, V) and its rows
+        `pick`ed when given (the streaming engine keeps each segment's draws the shape `generate` draws)."""
         greedy = self.temperature <= 0
         scaled = logits if greedy else logits / self.temperature  # (rows, V)
         # Reported log-probs ignore the EOS ban and top-p so they equal forward_logprobs at this temperature.
@@ -161,7 +164,10 @@ class _Sampler:
             # Exponential race: argmax(p / E), E = -log(U) ~ Exp(1), samples from p with one (rows, V) draw and no
             # host sync. torch.rand + log is ~5x faster than Tensor.exponential_ on CPU; U < 1 keeps E > 0, and
             # U == 0 gives E = inf, which just drops that token from this draw.
-            noise = torch.rand(probs.shape, generator=self.generator, device=probs.device).log_().neg_()
+            shape = probs.shape if draw_rows is None else (draw_rows, probs.shape[1])
+            noise = torch.rand(shape, generator=self.generator, device=probs.device).log_().neg_()
+            if pick is not None:
+                noise = noise[pick]
             tok = (probs / noise).argmax(dim=-1)
         return tok, logprobs.gather(-1, tok[:, None]).squeeze(-1)
 

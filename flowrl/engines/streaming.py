@@ -21,7 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from flowrl.engines.forward import positions_from_mask
-from flowrl.engines.generation import _check_args, _left_pad, _make_cache, _nucleus, kv_rows
+from flowrl.engines.generation import _check_args, _left_pad, _make_cache, _Sampler, kv_rows
 from flowrl.models.tokenizer import Tokenizer
 
 __all__ = ["GenChunk", "Sampling", "StreamControl", "Tail", "generate_stream", "resume_stream"]
@@ -158,24 +158,8 @@ class _Decoder:
     def _sample(self, logits: Tensor, seg: _Segment, vpos: Tensor | None) -> tuple[Tensor, Tensor]:
         """`generate`'s sampler for one segment: same ops, noise drawn as (vsize, V) and picked by `vpos`."""
         s = self.s
-        greedy = s.temperature <= 0
-        scaled = logits if greedy else logits / s.temperature
-        logprobs = torch.log_softmax(scaled, dim=-1)
-        if seg.t < s.min_tokens:
-            scaled = scaled.clone() if scaled is logits else scaled
-            scaled[:, self.eos] = float("-inf")
-        if greedy:
-            tok = scaled.argmax(dim=-1)
-        else:
-            probs = torch.softmax(scaled, dim=-1)
-            if s.top_p < 1.0:
-                probs = _nucleus(probs, s.top_p)
-            noise = torch.rand((seg.vsize, probs.shape[1]), generator=seg.generator(), device=probs.device)
-            noise = noise.log_().neg_()
-            if vpos is not None:
-                noise = noise[vpos]
-            tok = (probs / noise).argmax(dim=-1)
-        return tok, logprobs.gather(-1, tok[:, None]).squeeze(-1)
+        sampler = _Sampler(s.temperature, s.top_p, s.min_tokens, self.eos, seg.generator())
+        return sampler(logits, seg.t, draw_rows=seg.vsize, pick=vpos)
 
     def _compact_segment(self, i: int, remaining: int) -> None:
         """The segment's own loop drops its finished rows now: later draws have `remaining` rows."""

@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 import torch
 from torch import Tensor, nn
 
-__all__ = ["SHARES", "LossFn", "TrainEngine", "all_reduce_sum", "data_parallel_world", "merge_ranks", "reduce_metrics"]
+__all__ = ["SHARES", "LossFn", "TrainEngine", "accumulate", "all_reduce_sum", "data_parallel_world", "merge_ranks", "reduce_metrics"]
 
 MB = TypeVar("MB")
 LossFn = Callable[[MB], tuple[Tensor, dict[str, float]]]
@@ -36,6 +36,20 @@ def reduce_metrics(per_micro_batch: Sequence[Mapping[str, float]]) -> dict[str, 
     keys = {k: None for m in per_micro_batch for k in m}
     return {k: sum(float(m.get(k, 0.0)) for m in per_micro_batch) / (1 if k in SHARES else len(per_micro_batch))
             for k in keys}
+
+
+def accumulate(micro_batches: Sequence[MB], loss_fn: LossFn[MB],
+               backward: Callable[[Tensor], None]) -> tuple[float, list[dict[str, float]]]:
+    """Run `loss_fn` and `backward` on each micro-batch: (the summed loss, each micro-batch's metrics). The loss
+    function already scales (micro losses sum to the mini-batch loss), so nothing is divided here."""
+    total = 0.0
+    seen: list[dict[str, float]] = []
+    for mb in micro_batches:
+        loss, metrics = loss_fn(mb)
+        backward(loss)
+        total += float(loss.detach())
+        seen.append(metrics)
+    return total, seen
 
 
 def merge_ranks(results: Sequence[Mapping[str, float]], tokens: Sequence[float]) -> dict[str, float]:
@@ -81,13 +95,7 @@ class TrainEngine:
         if not micro_batches:
             raise ValueError("TrainEngine.step needs at least one micro-batch")
         self.optimizer.zero_grad(set_to_none=True)
-        total_loss = 0.0
-        seen: list[dict[str, float]] = []
-        for mb in micro_batches:
-            loss, metrics = loss_fn(mb)
-            loss.backward()
-            total_loss += float(loss.detach())
-            seen.append(metrics)
+        total_loss, seen = accumulate(micro_batches, loss_fn, lambda loss: loss.backward())
         if data_parallel_world() > 1:
             self._all_reduce_grads()
         # clip_grad_norm_ with an infinite bound only measures the norm.
