@@ -145,38 +145,64 @@ def _responses(module: nn.Module, state: PromptState, prompts: Tensor, response_
 
 @dataclass(frozen=True)
 class _Packing:
-    """Where each sample's response tokens 0..L-1 sit when the samples of a prompt share one packed row."""
+    """Where each sample's response tokens sit when the samples of a prompt share one packed row. Padding is
+    left out: a sample takes as many places as it has tokens to run (its response tokens but the last), so a
+    long-tailed batch costs its real tokens, not rows x its longest response (verl's remove-padding)."""
 
     units: Tensor  # (U',) the unique prompts, one packed row each
     slot: Tensor  # (b,) packed row of each sample
-    rows: Tensor  # (b * L,) packed row of each token
-    where: Tensor  # (b * L,) column of each token in its packed row
+    sample: Tensor  # (k,) for each packed token: its sample ...
+    step: Tensor  # (k,) ... and its place in that sample's response
+    rows: Tensor  # (k,) packed row of each token
+    where: Tensor  # (k,) column of each token in its packed row
     ids: Tensor  # (U', q) the packed tokens
-    step: Tensor  # (U', q) position of each token within its response
+    position: Tensor  # (U', q) position of each token within its response
     own: Tensor  # (U', q, q) True where a token may attend to another: same sample, not later, not padding
 
 
+def _run_lengths(response_mask: Tensor) -> Tensor:
+    """(b,) how many leading response tokens each sample runs: all but its last real one (the last one's output
+    scores nothing). A mask that is not one run of 1s from the start keeps every column (nothing left out)."""
+    width = response_mask.shape[1] - 1
+    lens = response_mask.long().sum(1)
+    leading = torch.arange(response_mask.shape[1], device=response_mask.device)[None] < lens[:, None]
+    if not bool((response_mask.bool() == leading).all()):
+        return torch.full_like(lens, width)
+    return (lens - 1).clamp(min=0, max=width)
+
+
+def _packed_width(row_prompt: Sequence[int], response_mask: Tensor) -> int:
+    """The longest packed row `_packing` would build for these rows: the tokens of a prompt's samples."""
+    runs = _run_lengths(response_mask).tolist()
+    per: dict[int, int] = {}
+    for u, n in zip(row_prompt, runs, strict=True):
+        per[u] = per.get(u, 0) + n
+    return max(per.values(), default=0)
+
+
 def _packing(prompts: Tensor, response_ids: Tensor, response_mask: Tensor) -> _Packing:
-    length, dev = response_ids.shape[1] - 1, prompts.device
+    dev = prompts.device
     units, slot = torch.unique(prompts, return_inverse=True)
-    rank = torch.zeros_like(prompts)  # each sample's place among its prompt's samples
+    runs = _run_lengths(response_mask)
+    offset = torch.zeros_like(prompts)  # where each sample's tokens start in its packed row
     for u in range(len(units)):
         mine = (slot == u).nonzero().squeeze(1)
-        rank[mine] = torch.arange(len(mine), device=dev)
-    q = int(rank.max() + 1) * length
-    where = (rank[:, None] * length + torch.arange(length, device=dev)).reshape(-1)
-    rows = slot.repeat_interleave(length)
+        offset[mine] = torch.cumsum(runs[mine], 0) - runs[mine]
+    sample = torch.repeat_interleave(torch.arange(len(prompts), device=dev), runs)
+    step = torch.arange(len(sample), device=dev) - torch.repeat_interleave(torch.cumsum(runs, 0) - runs, runs)
+    rows, where = slot[sample], offset[sample] + step
+    q = max(1, int((offset + runs).max())) if len(prompts) else 1
     ids = response_ids.new_zeros((len(units), q))
-    ids[rows, where] = response_ids[:, :length].reshape(-1)
-    sample = torch.full((len(units), q), -1, device=dev)
-    sample[rows, where] = rank.repeat_interleave(length)
-    step = torch.zeros((len(units), q), dtype=torch.long, device=dev)
-    step[rows, where] = torch.arange(length, device=dev).repeat(len(prompts))
+    ids[rows, where] = response_ids[sample, step]
+    owner = torch.full((len(units), q), -1, device=dev)
+    owner[rows, where] = sample
+    position = torch.zeros((len(units), q), dtype=torch.long, device=dev)
+    position[rows, where] = step
     valid = torch.zeros((len(units), q), dtype=torch.bool, device=dev)
-    valid[rows, where] = response_mask[:, :length].reshape(-1).bool()
-    own = (sample[:, :, None] == sample[:, None, :]) & (step[:, None, :] <= step[:, :, None]) & valid[:, None, :]
+    valid[rows, where] = response_mask[sample, step].bool()
+    own = (owner[:, :, None] == owner[:, None, :]) & (position[:, None, :] <= position[:, :, None]) & valid[:, None, :]
     own |= torch.eye(q, dtype=torch.bool, device=dev)  # a padding query still sees itself
-    return _Packing(units, slot, rows, where, ids, step, own)
+    return _Packing(units, slot, sample, step, rows, where, ids, position, own)
 
 
 def _additive(seen: Tensor) -> Tensor:
@@ -184,9 +210,11 @@ def _additive(seen: Tensor) -> Tensor:
     return torch.zeros(seen.shape, device=seen.device).masked_fill(~seen, torch.finfo(torch.float32).min)
 
 
-def _unpack(out: Tensor, pk: _Packing, first: Tensor) -> Tensor:
-    """(b, T, out): `first` (b, out) scores response token 0, the packed outputs the rest."""
-    rest = out[pk.rows, pk.where].reshape(len(pk.slot), -1, out.shape[-1])
+def _unpack(out: Tensor, pk: _Packing, first: Tensor, length: int) -> Tensor:
+    """(b, length, out): `first` (b, out) scores response token 0, the packed outputs the rest (zeros where a
+    sample has no token to score: its padding, which every caller masks)."""
+    rest = out.new_zeros((len(pk.slot), length - 1, out.shape[-1]))
+    rest = rest.index_put((pk.sample, pk.step), out[pk.rows, pk.where])
     return torch.cat([first[:, None], rest], dim=1)
 
 
@@ -198,8 +226,8 @@ def _responses_packed(module: nn.Module, state: PromptState, prompts: Tensor, re
     q = pk.ids.shape[1]
     seen = torch.cat([state.mask[pk.units].bool()[:, None, :].expand(-1, q, -1), pk.own], dim=2)[:, None]
     past = [(k[pk.units], v[pk.units]) for k, v in state.kv]
-    out, _ = _run(module, pk.ids, _additive(seen), state.lengths[pk.units][:, None] + pk.step, past, q)
-    return _unpack(out, pk, state.last[prompts])
+    out, _ = _run(module, pk.ids, _additive(seen), state.lengths[pk.units][:, None] + pk.position, past, q)
+    return _unpack(out, pk, state.last[prompts], response_ids.shape[1])
 
 
 def _single_pass(module: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, prompts: Tensor,
@@ -217,10 +245,10 @@ def _single_pass(module: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, pro
     top = torch.cat([causal, causal.new_zeros((len(pk.units), width, q))], dim=2)
     seen = torch.cat([top, torch.cat([real[:, None, :].expand(-1, q, -1), pk.own], dim=2)], dim=1)[:, None]
     lengths = mask.sum(1)
-    positions = torch.cat([(mask.cumsum(-1) - 1).clamp(min=0), lengths[:, None] + pk.step], dim=1)
+    positions = torch.cat([(mask.cumsum(-1) - 1).clamp(min=0), lengths[:, None] + pk.position], dim=1)
     out, kv = _run(module, torch.cat([ids, pk.ids], dim=1), _additive(seen), positions, None, q + 1)
     state = PromptState([(k[:, :, :width], v[:, :, :width]) for k, v in kv], mask, lengths, out[:, 0])
-    return _unpack(out[:, 1:], pk, out[:, 0][pk.slot]), state
+    return _unpack(out[:, 1:], pk, out[:, 0][pk.slot], response_ids.shape[1]), state
 
 
 PACK_LIMIT = 1024  # packed rows longer than this would make the (q, q) mask cost more than the copies saved
@@ -316,9 +344,8 @@ def _shared(module: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, response
     device = response_ids.device
     out = torch.zeros(response_ids.shape, dtype=torch.float32, device=device)  # (N, T)
     row_prompt = torch.tensor(plan.row_prompt, device=device)
-    per_prompt = max(plan.row_prompt.count(u) for u in set(plan.row_prompt))
-    packed = _attention(module) in PACKABLE and per_prompt * (response_ids.shape[1] - 1) <= PACK_LIMIT
-    packed = packed and response_ids.shape[1] > 1
+    packed = _attention(module) in PACKABLE and response_ids.shape[1] > 1
+    packed = packed and _packed_width(plan.row_prompt, response_mask) <= PACK_LIMIT
     with torch.inference_mode():
         if packed and not plan.groups and not cached:  # nothing to reuse: prompts and responses in one call
             for rows in _row_chunks(plan.row_prompt, micro_batch):
@@ -391,7 +418,8 @@ def _packed_train(module: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, re
         return None
     plan = plan_prefixes(prompt_ids, prompt_mask, min_len)
     per_prompt = max(plan.row_prompt.count(u) for u in set(plan.row_prompt))
-    if per_prompt < 2 or max(len(p) for p in plan.unique) < min_len or per_prompt * (length - 1) > PACK_LIMIT:
+    if per_prompt < 2 or max(len(p) for p in plan.unique) < min_len or \
+            _packed_width(plan.row_prompt, response_mask) > PACK_LIMIT:
         return None
     row_prompt = torch.tensor(plan.row_prompt, device=response_ids.device)
     outputs, _ = _single_pass(module, prompt_ids, prompt_mask, row_prompt, response_ids, response_mask)

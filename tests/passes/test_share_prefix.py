@@ -207,3 +207,44 @@ def test_computed_prompts_are_reused_until_the_weights_change(monkeypatch: pytes
         next(policy.parameters()).add_(0.0)  # an in-place update: every computed prompt is stale
     shared_logprobs(policy, *(a[first] for a in args), min_len=4, pad=TOK.pad_id)
     assert calls == [3, 2, 3]
+
+
+def _long_tail(family: str) -> Any:
+    """A rollout whose responses end anywhere from 1 to 24 tokens (an EOS bias makes a random model stop)."""
+    policy = build_model(ModelSpec(f"tiny:{family}", {"layers": 2, "dim": 32, "heads": 2}), seed=0).module
+    bias = torch.zeros(policy.config.vocab_size)
+    bias[TOK.eos_id] = 1.5
+    hook = policy.get_output_embeddings().register_forward_hook(lambda _m, _i, out: out + bias)
+    prompts = [[TOK.bos_id, *TOK.encode(t)] for t in SYSTEM_PROMPTS]
+    out = generate(policy, TOK, prompts, n=6, max_tokens=24, generator=torch.Generator().manual_seed(1))
+    hook.remove()
+    return policy, (out.prompt_ids, out.prompt_mask, out.response_ids, out.response_mask)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_packed_rows_leave_the_padding_out_and_equal_the_plain_forward(family: str) -> None:
+    """Long-tailed lengths: a packed row holds its samples' real tokens only, not samples x the longest."""
+    policy, args = _long_tail(family)
+    lens = args[3].sum(1)
+    assert int(lens.min()) < 6 and int(lens.max()) == 24  # most short, some at max_tokens
+    rows = plan_prefixes(args[0], args[1], 4).row_prompt
+    real = {u: sum(max(int(n) - 1, 0) for r, n in enumerate(lens) if rows[r] == u) for u in set(rows)}
+    pk = prefix._packing(torch.tensor(rows), args[2], args[3])
+    assert pk.ids.shape[1] == max(real.values()) < 6 * 23
+    assert int(pk.own.shape[0]) == len(real) and len(pk.sample) == sum(real.values())
+    prefix._CACHES.clear()
+    plain = forward_logprobs(policy, *args, temperature=0.7)
+    shared = shared_logprobs(policy, *args, temperature=0.7, min_len=4, pad=TOK.pad_id)
+    assert shared is not None and (shared - plain).abs().max() <= 1e-5
+    (outs_a, grads_a) = _grads(policy, lambda: forward_logprobs_entropy(policy, *args, temperature=0.7, with_grad=True))
+    (outs_b, grads_b) = _grads(policy, lambda: packed_logprobs_entropy(policy, *args, temperature=0.7, min_len=4))
+    assert all((a - b).abs().max() <= 1e-5 for a, b in zip(outs_a, outs_b, strict=True))
+    for a, b in zip(grads_a, grads_b, strict=True):
+        assert (a - b).abs().max() <= 1e-5 * max(1.0, float(a.abs().max()))
+
+
+def test_a_mask_with_holes_keeps_every_column() -> None:
+    """Padding is only left out of masks that are one run of 1s from the start; others keep the full width."""
+    mask = torch.tensor([[1, 1, 0, 0], [1, 0, 1, 0]])
+    assert prefix._run_lengths(mask[:1]).tolist() == [1]
+    assert prefix._run_lengths(mask).tolist() == [3, 3]
