@@ -46,7 +46,9 @@ class Side:
 def make_side(name: str, graph: Graph, backend: Any, seed: int = 0) -> Side:
     torch.manual_seed(seed)
     groups = backend.start(graph, seed=seed, device="cpu")
-    return Side(name, graph, Controller(graph, groups, _loaders(graph, seed), _rewards(graph), seed=seed), backend)
+    ctl = Controller(graph, groups, _loaders(graph, seed), _rewards(graph), seed=seed,
+                     after_update=getattr(backend, "after_update", None))  # split placement's weight sync
+    return Side(name, graph, ctl, backend)
 
 
 def stage_time(res: StepResult, nodes: Sequence[str]) -> float:

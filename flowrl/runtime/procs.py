@@ -7,13 +7,16 @@ so `TrainEngine` all-reduces gradients and the losses use the global mini-batch'
 ends the step with the same weights. Streams (`generate_stream`, `resume_stream`) cross the pipe item by item,
 with the rank's progress reports and the scheduler's export request (a multiprocessing Event) alongside, so
 `flowrl.runtime.streaming` drives these ranks as it drives in-process ones. `ProcessBackend(world)` gives every
-worker group such ranks. (The Ray backend is the distributed one; this is for measuring on one machine.)
+worker group such ranks; with a split placement (a model held by several groups, e.g. `actor.generate` on one
+pool and `actor.update` on another) `after_update` sends the trained weights to the other holders, as the Ray
+backend does. (The Ray backend is the distributed one; this is for measuring on one machine.)
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import socket
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -179,6 +182,9 @@ class ProcessRanks:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self._call("load_state_dict", (state,), {})
 
+    def load_weights(self, model: str, weights: Mapping[str, torch.Tensor]) -> None:
+        self._call("load_weights", (model, weights), {})
+
     def close(self) -> None:
         for conn in self.conns:
             conn.send(None)
@@ -204,6 +210,19 @@ class ProcessBackend:
             self.groups.append(group)
             groups[wg.name] = group
         return groups
+
+    def after_update(self, model: str, group: str) -> float:
+        """The controller's hook after `model.update` ran in `group`: seconds spent loading the new weights into
+        every rank of the other groups that hold `model` (0.0 when none does)."""
+        source = next(g for g in self.groups if g.name == group)
+        behind = [g for g in self.groups if g is not source and model in g.models]
+        if not behind:
+            return 0.0
+        began = time.perf_counter()
+        weights = source.on_rank(0, "weights", model)
+        for g in behind:
+            g.load_weights(model, weights)
+        return time.perf_counter() - began
 
     def shutdown(self) -> None:
         for g in self.groups:

@@ -5,7 +5,7 @@ rollout) as `GenInfer(...).run()`. Each generation rank runs `ModelWorker.genera
 of finished samples; the forwards run on each chunk while the rest is still decoding, and every result is put
 back in sample order at the end (`assemble`), so downstream nodes see the numbers the unfused step computes.
 
-- One rank (the local backend): generation and the chunk forwards interleave on the one worker.
+- One in-process rank (the local backend): generation and the chunk forwards interleave on the one worker.
 - Several ranks (any `RankGroup`: `world` and `on_rank(rank, method, ...)`, as `flowrl.runtime.ranks` (threads)
   and `flowrl.runtime.procs` (processes) provide; a Ray group can too): each rank is driven by a thread here.
   With `chunk_forwards = "own-rank"` (the pass's default) a rank runs the forwards on its own chunks between
@@ -14,6 +14,11 @@ back in sample order at the end (`assemble`), so downstream nodes see the number
   decoding and forwards are queued, every rank hands its unfinished rows over (`Tail`) and they resume
   together on the fewest ranks that hold them (those with the most rows), so the other ranks are freed for
   the queued forwards (RLHFuse). Sampling state moves with the rows: same samples.
+
+Forwards placed on another worker group (a `placement { }` that puts the reference, critic or reward model on
+their own pool) do not wait for a generation rank: each chunk is sent to that group as soon as it arrives, one
+call at a time per group from a thread of its own, so those forwards run on their ranks while generation is
+still decoding on its own (RLHFuse's overlap across groups; unfused, that group idles until generation ends).
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from flowrl.runtime.schedule import THREADS
 
 STREAMS = ("generate_stream", "resume_stream")  # worker methods that yield items (RankGroup.on_rank streams)
 SCRATCH = ("sample", "pad")  # per-chunk bookkeeping tensors, dropped when chunks are assembled
+ELSEWHERE = -1  # the `Timed.rank` of forwards run by another worker group
 
 
 def sampling_of(attrs: Mapping[str, Any]) -> Sampling:
@@ -208,14 +214,23 @@ class GenInfer:
         self.queued = 0  # forwards waiting for a rank that is not generating
         self.own_rank = bool(self._inline())  # generating ranks score their own chunks
         self.inlined = 0  # chunks whose forwards their own rank ran
+        # One queue of (chunk, forward) per other group, drained in order by a thread of its own.
+        self.elsewhere: dict[str, queue.SimpleQueue[tuple[int, Node] | None]] = {
+            name: queue.SimpleQueue() for name in other}
 
     # -- the two drivers -------------------------------------------------------------------------------
     def run(self) -> tuple[Batch, dict[str, Batch], dict[str, float]]:
         start = time.perf_counter()
-        if self.ranks.world == 1:
-            self._run_inline()
-        else:
-            self._run_threads()
+        join = THREADS.start([partial(self._elsewhere_loop, q) for q in self.elsewhere.values()])
+        try:
+            if isinstance(self.ranks, _OneRank):  # a generator in this process: pulled between forwards
+                self._run_inline()
+            else:
+                self._run_threads()
+        finally:
+            for q in self.elsewhere.values():
+                q.put(None)
+            join()  # re-raises a failed forward of another group
         return self._finish(start)
 
     def _run_inline(self) -> None:
@@ -226,7 +241,7 @@ class GenInfer:
         for batch in stream:
             self.timeline.append(Timed("generate", 0, t0, time.perf_counter()))
             cid = self._add_chunk(batch)
-            for node in self.forwards:
+            for node in self._here(cid):
                 self._forward(0, cid, node)
             t0 = time.perf_counter()
 
@@ -251,7 +266,8 @@ class GenInfer:
             generating.add(r)
             jobs[r].put(("stream", "generate_stream", (self.gen.model, shard, self.attrs),
                          dict(step_seed=rank_seed(self.step_seed, r), first_prompt=first,
-                              control=_Control(self, r, True), inline=self._inline())))
+                              control=_Control(self, r, True) if len(shards) > 1 else None,  # 1: no tail to move
+                              inline=self._inline())))
         busy = set(generating)
         pending: deque[tuple[int, Node]] = deque()
         tails: dict[int, Tail] = {}
@@ -264,7 +280,7 @@ class GenInfer:
                 item = payload[0]
                 cid = self._add_chunk(item.batch if isinstance(item, Scored) else item)
                 done = self._record_scored(rank, cid, item) if isinstance(item, Scored) else set()
-                pending.extend((cid, node) for node in self.forwards if node.id not in done)
+                pending.extend((cid, node) for node in self._here(cid) if node.id not in done)
                 self.inlined += bool(done)
             elif kind == "tail":
                 tails[rank] = payload[0]
@@ -309,7 +325,26 @@ class GenInfer:
             except BaseException as e:  # surfaced by the scheduler, which then stops every rank
                 events.put(("error", rank, e))
 
+    def _elsewhere_loop(self, jobs: queue.SimpleQueue[tuple[int, Node] | None]) -> None:
+        """Run one other group's forwards chunk by chunk as they are queued; after an error, only drain."""
+        failed: BaseException | None = None
+        while (job := jobs.get()) is not None:
+            if failed is None:
+                try:
+                    self._forward(ELSEWHERE, job[0], job[1])
+                except BaseException as e:  # re-raised when the stage joins this thread
+                    failed = e
+        if failed is not None:
+            raise failed
+
     # -- pieces --------------------------------------------------------------------------------------
+    def _here(self, cid: int) -> list[Node]:
+        """Chunk `cid`'s forwards that run on the generation group; those of other groups are queued for them."""
+        for node in self.forwards:
+            if node.worker_group in self.elsewhere:
+                self.elsewhere[node.worker_group].put((cid, node))
+        return [node for node in self.forwards if node.worker_group not in self.elsewhere]
+
     def _inline(self) -> list[ChunkForward]:
         """The forwards each generating rank runs on its own chunks between its decode steps ("own-rank", the
         pass's default): the prompts are in its cache and no chunk waits for a free rank. "free-rank" leaves
@@ -371,7 +406,7 @@ class GenInfer:
     def _forward(self, rank: int, cid: int, node: Node) -> None:
         chunk = self.chunks[cid]
         t0 = time.perf_counter()
-        if node.worker_group in self.other:  # placed on another group: that group runs it whole
+        if node.worker_group in self.other:  # placed on another group: its ranks share the chunk
             out = self.other[node.worker_group].call(node.op, node.model, chunk, dict(node.attrs),
                                                      dispatch=node.dispatch).result()
         else:

@@ -78,7 +78,8 @@ def run_steps(graph: Graph, steps: int = 2, backend: Backend | None = None) -> l
     be = backend or LocalBackend()
     groups = be.start(graph, seed=5, device="cpu")
     try:
-        ctl = Controller(graph, groups, _loaders(graph, 5), _rewards(graph), seed=5)
+        ctl = Controller(graph, groups, _loaders(graph, 5), _rewards(graph), seed=5,
+                         after_update=getattr(be, "after_update", None))
         return [ctl.step(s) for s in range(1, steps + 1)]
     finally:
         be.shutdown()

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+import flowrl.dsl
+from flowrl.backends.local import LocalBackend
 from flowrl.engines.generation import generate
 from flowrl.engines.streaming import GenChunk, Sampling, Tail, generate_stream, resume_stream
 from flowrl.ir.graph import Graph
@@ -251,3 +255,100 @@ def test_process_ranks_stream_migrate_and_train_data_parallel(ppo: Callable[...,
     on = run_steps(eager, steps=2, backend=ProcessBackend(2))
     assert on[0].metrics["fusion/workers"] == 2
     assert_same_numbers(on, run_steps(passes(ppo(n=4, batch=4)), steps=2, backend=ThreadedLocalBackend(2)))
+
+
+SPLIT = """
+placement {
+    pool gen   { gpus = 1 }
+    pool infer { gpus = 1 }
+    actor -> gen
+    ref, critic, rm -> infer
+}
+"""
+
+
+class _GenGate(LocalBackend):
+    """The local backend, where the "infer" group's forwards wait until the "gen" group's stream is over: a
+    scheduler that ran those forwards on the generating thread would stall generation (the wait times out)."""
+
+    def __init__(self) -> None:
+        self.over = threading.Event()
+        self.waited: list[bool] = []  # per infer call: whether generation ended within the wait
+
+    def start(self, graph: Graph, *, seed: int, device: str) -> dict[str, Any]:
+        groups = super().start(graph, seed=seed, device=device)
+        return {"gen": _Streams(groups["gen"], self.over), "infer": _Waits(groups["infer"], self)}
+
+
+class _Streams:
+    def __init__(self, inner: Any, over: threading.Event):
+        self.inner, self.name, self.world, self.over = inner, inner.name, 1, over
+
+    def call(self, *args: Any, **kwargs: Any) -> Any:
+        return self.inner.call(*args, **kwargs)
+
+    def on_rank(self, rank: int, method: str, *args: Any, **kwargs: Any) -> Any:
+        out = self.inner.call(method, *args, **kwargs).result()
+        if method != "generate_stream":
+            return out
+        self.over.clear()
+        return self._watch(out)
+
+    def _watch(self, stream: Any) -> Any:
+        yield from stream
+        self.over.set()
+
+
+class _Waits:
+    def __init__(self, inner: Any, gate: _GenGate):
+        self.inner, self.name, self.world, self.gate = inner, inner.name, 1, gate
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        if method in ("logprobs", "values", "score"):
+            self.gate.waited.append(self.gate.over.wait(timeout=20))
+        return self.inner.call(method, *args, **kwargs)
+
+
+def test_forwards_on_another_group_run_while_generation_goes_on(ppo: Callable[..., Graph]) -> None:
+    """Split placement: the forwards of ref, critic and rm (pool "infer") are sent to their group chunk by chunk
+    from a thread of their own, so generation never waits for them; same numbers as unfused."""
+    path = Path(ppo(n=4, batch=4).path)
+    path.write_text(path.read_text() + SPLIT)
+    split = flowrl.dsl.load(path)
+    assert {w.name for w in split.worker_groups} == {"gen", "infer"}
+    fused_g = passes(split, "fuse-gen-inference")
+    gate = _GenGate()
+    on = run_steps(fused_g, steps=2, backend=gate)
+    assert on[0].metrics["fusion/chunks"] >= 2
+    assert gate.waited and all(gate.waited)  # no forward of "infer" held generation up
+    assert_same_numbers(on, run_steps(passes(split), steps=2))
+    two = run_steps(fused_g, steps=2, backend=ThreadedLocalBackend(2))
+    assert_same_numbers(two, run_steps(passes(split), steps=2, backend=ThreadedLocalBackend(2)))
+
+
+DISAGGREGATED = """
+placement {
+    pool rollout { gpus = 1 }
+    pool train   { gpus = 1 }
+    actor.generate -> rollout
+    actor.update, ref, critic, rm -> train
+}
+"""
+
+
+@pytest.mark.slow  # spawns two rank processes (~10 s of imports)
+def test_process_groups_of_a_split_placement_sync_weights_and_stream_to_the_other_pool(
+        ppo: Callable[..., Graph]) -> None:
+    """Generation on one pool, everything else on another, each a rank process: the trained actor reaches the
+    rollout pool after every update (`ProcessBackend.after_update`), and the train pool scores chunks while the
+    rollout pool decodes; the numbers are those of the local backend, where both pools share one actor."""
+    from flowrl.runtime.procs import ProcessBackend
+
+    path = Path(ppo(n=4, batch=4).path)
+    path.write_text(path.read_text() + DISAGGREGATED)
+    split = flowrl.dsl.load(path)
+    assert [(w.name, w.models) for w in split.worker_groups] == [("rollout", ("actor",)),
+                                                                   ("train", ("actor", "ref", "critic", "rm"))]
+    local = run_steps(passes(split), steps=3)
+    for graph in (passes(split, "fuse-gen-inference"), passes(split)):
+        assert_same_numbers(run_steps(graph, steps=3, backend=ProcessBackend(1)), local)
