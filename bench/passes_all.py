@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import interference
 import passes_fuse_gen
 import passes_fuse_train
 import passes_share_prefix
@@ -40,16 +41,18 @@ NOTES = [
     "fuse-gen-inference is off on both sides so that those forwards are separate nodes.",
     "- **fuse-gen-inference** (`bench/passes_fuse_gen.py`): `examples/longtail_grpo.flow` and "
     "`examples/longtail_ppo.flow` (128 samples a step, max_tokens 64, response lengths long-tailed). Stage = "
-    "generation plus the forwards over its rollout. 1 worker: the local backend, where generation and the chunk "
-    "forwards interleave on one worker, so nothing overlaps; streaming still pays because a chunk's forwards are "
-    "only as wide as its own longest response, and the prompt cache keeps share-prefix's saving across chunks. "
-    "2 workers: `flowrl.runtime.procs.ProcessBackend`, two spawned data-parallel rank processes (one torch thread "
-    "each; gloo all-reduce in the update), where each rank scores its own chunks between decode steps "
-    "(`chunk_forwards = \"own-rank\"`; the tail migrates only when forwards are queued for freed ranks). "
-    "This machine has 2 cores shared with other jobs, so two processes rarely get two free cores: the 2-worker "
-    "figures are a lower bound on what separate devices would show, and their spread is wide. The Ray backend "
-    "can drive the same scheduler (`flowrl.runtime.streaming.RankGroup`: `world` + `on_rank`) but is not "
-    "measured here.",
+    "generation plus the forwards over its rollout. *colocated, 1 worker*: the local backend; generation and the "
+    "chunk forwards interleave on one worker, so nothing overlaps (streaming pays where a chunk's forwards reuse "
+    "the prompts generation just computed). *colocated, 2 workers*: `flowrl.runtime.procs.ProcessBackend`, two "
+    "spawned data-parallel rank processes holding every model (one torch thread each; gloo all-reduce in the "
+    "update); each rank scores its own chunks between decode steps (`chunk_forwards = \"own-rank\"`). *split, 2 "
+    "workers*: LANGUAGE.md's placement (`actor.generate -> rollout`; `actor.update` and the other models -> "
+    "`train`), one rank process per pool, the new actor weights sent to the rollout pool after each update; "
+    "fused, the train pool scores chunks (fed at least every 8 decode steps, chunks that queued while it was busy "
+    "taken in one call) while the rollout pool decodes; unfused, each pool idles while the other works.",
+    "- Two processes on this machine are not two devices: the host's 2 cores share caches and memory bandwidth, "
+    "so a worker that decodes while another computes slows down (`bench/interference.py`, figures below). That "
+    "bounds what any overlap can gain here; on separate GPUs the decoding worker keeps its speed.",
     "- **fuse-train** (`bench/passes_fuse_train.py`): longtail_ppo's actor and critic updates, micro_batch 32 "
     "(4 micro-batches each), interleaved on one worker. One CPU worker has no pipeline bubbles to fill, so the "
     "expected ratio is 1.0: this checks the schedule costs nothing.",
@@ -67,13 +70,13 @@ def wait_for_quiet(load: float, wait: float) -> float:
 
 
 def table(rows: list[dict[str, Any]]) -> list[str]:
-    keys: dict[tuple[str, str, int], list[dict[str, Any]]] = {}
+    keys: dict[tuple[str, str, str, int], list[dict[str, Any]]] = {}
     for r in rows:
-        keys.setdefault((r["pass"], r["workload"], r["workers"]), []).append(r)
-    out = ["| pass | workload | workers | stage off -> on (s) | stage x (runs; steps range) | step off -> on (s) "
-           "| step x (runs; steps range) | equal (max diff step 1 / later) |",
-           "|---|---|---|---|---|---|---|---|"]
-    for (name, workload, workers), rs in keys.items():
+        keys.setdefault((r["pass"], r["workload"], r.get("placement", "colocated"), r["workers"]), []).append(r)
+    out = ["| pass | workload | placement | workers | stage off -> on (s) | stage x (runs; steps range) "
+           "| step off -> on (s) | step x (runs; steps range) | equal (max diff step 1 / later) |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    for (name, workload, placement, workers), rs in keys.items():
         def med(k: str, rs: list[dict[str, Any]] = rs) -> float:
             return statistics.median(r[k] for r in rs)
 
@@ -81,7 +84,7 @@ def table(rows: list[dict[str, Any]]) -> list[str]:
         runs_step = ", ".join(f"{r['step_x']:.2f}" for r in rs)
         equal = all(r["equal"] for r in rs)
         out.append(
-            f"| {name} | {workload} | {workers} | {med('stage_off_s'):.3f} -> {med('stage_on_s'):.3f} "
+            f"| {name} | {workload} | {placement} | {workers} | {med('stage_off_s'):.3f} -> {med('stage_on_s'):.3f} "
             f"| **{med('stage_x'):.2f}x** ({runs_stage}; {min(r['stage_x_min'] for r in rs):.2f}.."
             f"{max(r['stage_x_max'] for r in rs):.2f}) | {med('step_off_s'):.3f} -> {med('step_on_s'):.3f} "
             f"| **{med('step_x'):.2f}x** ({runs_step}; {min(r['step_x_min'] for r in rs):.2f}.."
@@ -103,7 +106,9 @@ def main() -> None:
     chosen = [b for b in BENCHES if args.only is None or b in args.only.split(",")]
     rows: list[dict[str, Any]] = []
     loads: list[str] = []
+    slowdowns: list[dict[str, float]] = []
     for run in range(1, args.runs + 1):
+        slowdowns.append(interference.measure())
         for name in chosen:
             before = wait_for_quiet(args.load, args.wait)
             for row in BENCHES[name].measure(args.steps):
@@ -111,11 +116,12 @@ def main() -> None:
             loads.append(f"{name} run {run}: {before:.2f} -> {os.getloadavg()[0]:.2f}")
     (ROOT / "bench" / "out").mkdir(exist_ok=True)
     (ROOT / "bench" / "out" / "passes.json").write_text(json.dumps(rows, indent=2), encoding="utf-8")
-    Path(args.out).write_text(report(rows, loads, args), encoding="utf-8")
+    Path(args.out).write_text(report(rows, loads, slowdowns, args), encoding="utf-8")
     print(f"wrote {args.out}")
 
 
-def report(rows: list[dict[str, Any]], loads: list[str], args: argparse.Namespace) -> str:
+def report(rows: list[dict[str, Any]], loads: list[str], slowdowns: list[dict[str, float]],
+           args: argparse.Namespace) -> str:
     return "\n".join([
         "# Pass benchmarks: each pass on vs off, same seed, side by side",
         "",
@@ -129,6 +135,12 @@ def report(rows: list[dict[str, Any]], loads: list[str], args: argparse.Namespac
         "Targets: " + "; ".join(f"{k}: {v}" for k, v in TARGETS.items()) + ".",
         "",
         *NOTES,
+        "",
+        "Interference (`bench/interference.py`, once per run): generating one long-tail rollout alone vs beside a "
+        "forward loop in a second process:",
+        "",
+        *[f"- run {i}: {d['generation_alone_s']:.3f} s alone, {d['generation_beside_forwards_s']:.3f} s beside "
+          f"({d['slowdown']:.2f}x slower)" for i, d in enumerate(slowdowns, 1)],
         "",
         "1-minute load average before -> after each benchmark (the machine is shared with other work):",
         "",

@@ -231,9 +231,10 @@ class _Decoder:
 
 def generate_stream(module: nn.Module, tokenizer: Tokenizer, prompts: Sequence[Sequence[int]], *, n: int,
                     sampling: Sampling, generator: torch.Generator | None, chunk: int, share_prefix: bool = True,
-                    first_sample: int = 0, control: StreamControl | None = None,
+                    first_sample: int = 0, control: StreamControl | None = None, flush: int = 0,
                     device: str | torch.device = "cpu") -> Iterator[GenChunk | Tail]:
-    """`generate(...)` as a stream: finished samples in chunks of about `chunk`, or a `Tail` when exported."""
+    """`generate(...)` as a stream: finished samples in chunks of about `chunk` (and, with `flush`, whatever
+    finished once `flush` decode steps passed since the last hand-over), or a `Tail` when exported."""
     s = sampling
     _check_args(prompts, n, s.max_tokens, s.min_tokens, s.temperature, s.top_p)
     dev = torch.device(device)
@@ -265,11 +266,11 @@ def generate_stream(module: nn.Module, tokenizer: Tokenizer, prompts: Sequence[S
     dec.pos = positions_from_mask(full_mask)[:, -1] + 1
     dec.length = width
     dec.segments = [_Segment(None, 0, rows, gen=generator)]
-    return _drive(dec, chunk, control)
+    return _drive(dec, chunk, control, flush)
 
 
 def resume_stream(module: nn.Module, tokenizer: Tokenizer, tails: Sequence[Tail], *, sampling: Sampling,
-                  chunk: int, control: StreamControl | None = None,
+                  chunk: int, control: StreamControl | None = None, flush: int = 0,
                   device: str | torch.device = "cpu") -> Iterator[GenChunk | Tail]:
     """Continue the rows of `tails` (from any ranks) as one batch; each tail keeps its own sampling draws."""
     s = sampling
@@ -309,23 +310,27 @@ def resume_stream(module: nn.Module, tokenizer: Tokenizer, tails: Sequence[Tail]
     dec.attn = cat([past, torch.ones((rows, s.max_tokens), dtype=torch.long, device=dev)], dim=1)
     dec.length = width
     dec.aligned = False
-    return _drive(dec, chunk, control)
+    return _drive(dec, chunk, control, flush)
 
 
-def _drive(dec: _Decoder, chunk: int, control: StreamControl | None) -> Iterator[GenChunk | Tail]:
-    """The decode loop: sample, hand finished samples over in chunks, export when asked, feed, repeat."""
+def _drive(dec: _Decoder, chunk: int, control: StreamControl | None, flush: int = 0) -> Iterator[GenChunk | Tail]:
+    """The decode loop: sample, hand finished samples over in chunks, export when asked, feed, repeat. With
+    `flush`, a partial chunk goes out once `flush` steps passed since the last hand-over: in the long tail,
+    samples finish a few at a time and a consumer elsewhere would otherwise wait for the last one."""
     ready: list[int] = []
+    since = 0  # decode steps since the last hand-over
     if dec.logits is None:
         dec.advance()
     while True:
         ready.extend(dec.sample_step())
+        since += 1
         if all(seg.ended for seg in dec.segments):
             if ready:
                 yield dec.take(ready)
             return
-        if len(ready) >= chunk:
+        if len(ready) >= chunk or (flush > 0 and ready and since >= flush):
             yield dec.take(ready)
-            ready = []
+            ready, since = [], 0
         if control is not None:
             control.progress(dec.remaining)
             if dec.ours and control.should_export():

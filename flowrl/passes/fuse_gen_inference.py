@@ -4,7 +4,9 @@ Fuses a rollout's `generate` node with the forwards over that rollout (reference
 `values`, reward-model `score`): all get `fusion = "gen-infer:<rollout>"` and `fusion_kind = "inter-stage"`,
 and the generate node gets `stream_chunk` (samples per hand-off), `migrate_below` (the unfinished fraction
 of the batch under which the long tail moves to the fewest generation workers that hold it, when forwards
-are queued for the freed workers) and `chunk_forwards` (which ranks run a chunk's forwards). At run time
+are queued for the freed workers) and `chunk_forwards` (which ranks run a chunk's forwards); when some of the
+forwards are placed on another worker group, also `flush_steps` (the decode steps after which finished samples
+go out even if the chunk is not full, so that group is not left idle in the long tail). At run time
 (`flowrl.runtime.streaming`) generation hands finished samples downstream in chunks, the forwards run on each
 chunk while the tail still decodes, and results are put back in sample order, so every number downstream is
 the one the unfused step computes.
@@ -25,6 +27,10 @@ MIN_CHUNK = 4  # samples: smaller forwards cost more per sample than they overla
 # whose generation is over ("free-rank", RLHFuse's split). Measured on two CPU rank processes (long-tail GRPO,
 # 14 steps): own-rank 1.11x stage / 1.05x step, free-rank 0.89x / 0.88x, against unfused.
 CHUNK_FORWARDS = "own-rank"
+# Forwards on another worker group (split placement) get finished samples at least this often (decode steps):
+# in the tail samples finish a few at a time, and without it the last chunk's forwards all start after the last
+# sample. Chunks that pile up while that group is busy run together in one call, so a short flush costs little.
+FLUSH_STEPS = 8
 
 
 def why_not_stream(graph: Graph, gen: Node) -> str | None:
@@ -95,11 +101,18 @@ def fuse_gen_inference(graph: Graph) -> tuple[Graph, list[str]]:
             notes.append(f"{gen.id}: not fused: no forward over it can run during generation")
             continue
         chunk = int(str(gen.attrs.get("stream_chunk", chunk_size(graph, gen))))
+        elsewhere = [f for f in fused if f.worker_group != gen.worker_group]
+        extra = {"flush_steps": int(str(gen.attrs.get("flush_steps", FLUSH_STEPS)))} if elsewhere else {}
         rewritten[gen.id] = gen.with_attrs(fusion=key, fusion_kind="inter-stage", stream_chunk=chunk,
-                                           migrate_below=MIGRATE_BELOW, chunk_forwards=CHUNK_FORWARDS)
+                                           migrate_below=MIGRATE_BELOW, chunk_forwards=CHUNK_FORWARDS, **extra)
         for forward in fused:
             rewritten[forward.id] = forward.with_attrs(fusion=key, fusion_kind="inter-stage")
-        notes.append(f"{gen.id}: streams chunks of {chunk} finished samples into "
-                     f"{', '.join(f.id for f in fused)}, each rank scoring its own chunks ({CHUNK_FORWARDS}); the tail "
-                     f"migrates below {MIGRATE_BELOW:.0%} unfinished when forwards are queued for freed ranks")
+        note = (f"{gen.id}: streams chunks of {chunk} finished samples into "
+                f"{', '.join(f.id for f in fused)}, each rank scoring its own chunks ({CHUNK_FORWARDS}); the tail "
+                f"migrates below {MIGRATE_BELOW:.0%} unfinished when forwards are queued for freed ranks")
+        if elsewhere:
+            groups = sorted({str(f.worker_group) for f in elsewhere})
+            note += (f"; {', '.join(f.id for f in elsewhere)} run on worker group {', '.join(groups)} while "
+                     f"{gen.worker_group} decodes, fed at least every {extra['flush_steps']} decode steps")
+        notes.append(note)
     return graph.with_nodes([rewritten.get(n.id, n) for n in graph.nodes]), notes

@@ -14,7 +14,9 @@ backend does. (The Ray backend is the distributed one; this is for measuring on 
 
 from __future__ import annotations
 
+import io
 import multiprocessing as mp
+import pickle
 import socket
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -34,6 +36,36 @@ from flowrl.runtime.streaming import STREAMS
 from flowrl.runtime.worker import ModelWorker
 
 
+class _Pickler(pickle.Pickler):
+    """Tensors cross the pipe as numpy arrays: `Connection.send`'s pickler moves each tensor into shared memory
+    and hands its file descriptor over (milliseconds a tensor), torch's own pickling goes through its
+    serializer (about 1 ms to load a small batch); numpy's is ~20x cheaper for the batches a call carries."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if type(obj) is torch.Tensor and obj.device.type == "cpu" and not obj.requires_grad \
+                and obj.dtype in _NUMPY_DTYPES:
+            return _from_numpy, (obj.numpy(),)
+        return NotImplemented
+
+
+_NUMPY_DTYPES = (torch.float32, torch.float64, torch.float16, torch.int64, torch.int32, torch.int16, torch.int8,
+                 torch.uint8, torch.bool)
+
+
+def _from_numpy(array: Any) -> torch.Tensor:
+    return torch.from_numpy(array) if array.flags.writeable else torch.tensor(array)
+
+
+def _send(conn: Connection, obj: Any) -> None:
+    buf = io.BytesIO()
+    _Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+    conn.send_bytes(buf.getbuffer())
+
+
+def _recv(conn: Connection) -> Any:
+    return pickle.loads(conn.recv_bytes())
+
+
 def _plain(decl: ModelDecl) -> ModelDecl:
     """A picklable copy (read-only mapping proxies become dicts)."""
     return replace(decl, config=dict(decl.config), options=dict(decl.options))
@@ -46,7 +78,7 @@ class _ChildControl:
         self.conn, self.export = conn, export
 
     def progress(self, remaining: int) -> None:
-        self.conn.send(("progress", remaining))
+        _send(self.conn, ("progress", remaining))
 
     def should_export(self) -> bool:
         return bool(self.export.is_set())
@@ -62,19 +94,19 @@ def _serve(conn: Connection, export: Any, rank: int, world: int, port: int, mode
 
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     worker = ModelWorker(models, every, seed=seed, device=device, rank=rank, world=world)
-    while (msg := conn.recv()) is not None:
+    while (msg := _recv(conn)) is not None:
         kind, method, args, kwargs = msg
         try:
             if kind == "stream":
                 if kwargs.pop("control", False):
                     kwargs["control"] = _ChildControl(conn, export)
                 for item in getattr(worker, method)(*args, **kwargs):
-                    conn.send(("item", item))
-                conn.send(("end", None))
+                    _send(conn, ("item", item))
+                _send(conn, ("end", None))
             else:
-                conn.send(("ok", getattr(worker, method)(*args, **kwargs)))
+                _send(conn, ("ok", getattr(worker, method)(*args, **kwargs)))
         except Exception as e:  # the parent re-raises it where the call was made
-            conn.send(("error", e))
+            _send(conn, ("error", e))
 
 
 def _free_port() -> int:
@@ -111,7 +143,7 @@ class ProcessRanks:
     # -- calls -------------------------------------------------------------------------------------------
     @staticmethod
     def _reply(conn: Connection) -> Any:
-        kind, payload = conn.recv()
+        kind, payload = _recv(conn)
         if kind == "error":
             raise payload
         return payload
@@ -120,7 +152,7 @@ class ProcessRanks:
         conn = self.conns[rank]
         if method in STREAMS:
             return self._stream(rank, method, args, kwargs)
-        conn.send(("call", method, args, kwargs))
+        _send(conn, ("call", method, args, kwargs))
         return self._reply(conn)
 
     def _stream(self, rank: int, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[Any]:
@@ -128,9 +160,9 @@ class ProcessRanks:
         export = self.exports[rank]
         export.clear()
         conn = self.conns[rank]
-        conn.send(("stream", method, args, {**kwargs, "control": control is not None}))
+        _send(conn, ("stream", method, args, {**kwargs, "control": control is not None}))
         while True:
-            kind, payload = conn.recv()
+            kind, payload = _recv(conn)
             if kind == "progress":
                 assert control is not None
                 control.progress(payload)
@@ -187,7 +219,7 @@ class ProcessRanks:
 
     def close(self) -> None:
         for conn in self.conns:
-            conn.send(None)
+            _send(conn, None)
         for proc in self.procs:
             proc.join(timeout=10)
         self.pool.shutdown(wait=True)

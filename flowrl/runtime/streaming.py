@@ -55,6 +55,10 @@ def chunk_of(attrs: Mapping[str, Any]) -> int:
     return int(attrs.get("stream_chunk", 0) or 0) or 1 << 30  # no stream_chunk: one chunk at the end
 
 
+def flush_of(attrs: Mapping[str, Any]) -> int:
+    return int(attrs.get("flush_steps", 0) or 0)  # 0: chunks go out full (or at the end)
+
+
 def rank_seed(step_seed: int, rank: int) -> int:
     """Rank 0 samples with the step's seed (so one rank equals the unsharded run); others get their own."""
     return step_seed if rank == 0 else (step_seed * 1_000_003 + rank * 7_919) % (2**31)
@@ -125,6 +129,15 @@ def assemble(batches: Sequence[Batch], samples: Sequence[torch.Tensor]) -> Batch
     rows = order.tolist()
     meta = {k: [x for b in batches for x in b.meta[k]] for k in batches[0].meta}
     return Batch(len(rows), tensors, {k: [v[i] for i in rows] for k, v in meta.items()}, batches[0].primary)
+
+
+def concat(batches: Sequence[Batch]) -> Batch:
+    """Chunk batches as one, in the order given (every tensor kept, 2-D ones padded as `assemble` pads)."""
+    pad = int(batches[0]["pad"][0]) if "pad" in batches[0].tensors else 0
+    tensors = {k: _cat([b.tensors[k] for b in batches], left=k.startswith("prompt_"),
+                       fill=pad if k in ("prompt_ids", "response_ids") else 0) for k in batches[0].tensors}
+    meta = {k: [x for b in batches for x in b.meta[k]] for k in batches[0].meta}
+    return Batch(sum(b.size for b in batches), tensors, meta, batches[0].primary)
 
 
 def _cat(parts: list[torch.Tensor], left: bool, fill: int) -> torch.Tensor:
@@ -203,7 +216,8 @@ class GenInfer:
         self.n = int(str(self.attrs.get("n", 1)))
         self.total = prompts.size * self.n
         self.chunks: list[Batch] = []
-        self.results: dict[str, list[tuple[int, Batch]]] = {f.id: [] for f in self.forwards}
+        # node id -> (first chunk, output, its rows' sample numbers): one entry per forward call
+        self.results: dict[str, list[tuple[int, Batch, torch.Tensor]]] = {f.id: [] for f in self.forwards}
         self.timeline: list[Timed] = []
         self.arrivals: list[float] = []
         self.migrated = 0
@@ -326,14 +340,31 @@ class GenInfer:
                 events.put(("error", rank, e))
 
     def _elsewhere_loop(self, jobs: queue.SimpleQueue[tuple[int, Node] | None]) -> None:
-        """Run one other group's forwards chunk by chunk as they are queued; after an error, only drain."""
+        """Run one other group's forwards as chunks are queued. Chunks that queued up while the group was busy
+        run together, one call per forward: the group never waits on a chunk, and the fewer, larger calls
+        cost less than one per chunk. After an error, only drain."""
         failed: BaseException | None = None
-        while (job := jobs.get()) is not None:
-            if failed is None:
+        more = True
+        while more:
+            job = jobs.get()
+            batch = [] if job is None else [job]
+            while job is not None:
                 try:
-                    self._forward(ELSEWHERE, job[0], job[1])
-                except BaseException as e:  # re-raised when the stage joins this thread
-                    failed = e
+                    job = jobs.get_nowait()
+                except queue.Empty:
+                    break
+                if job is not None:
+                    batch.append(job)
+            more = job is not None
+            by_node: dict[str, tuple[Node, list[int]]] = {}
+            for cid, node in batch:
+                by_node.setdefault(node.id, (node, []))[1].append(cid)
+            for node, cids in by_node.values():
+                if failed is None:
+                    try:
+                        self._forward(ELSEWHERE, cids, node)
+                    except BaseException as e:  # re-raised when the stage joins this thread
+                        failed = e
         if failed is not None:
             raise failed
 
@@ -359,7 +390,8 @@ class GenInfer:
         with self.lock:
             meta = self.chunks[cid].meta  # the rank scored the chunk before its prompt fields were added
             for node_id, (out, secs) in item.outs.items():
-                self.results[node_id].append((cid, Batch(out.size, out.tensors, meta, out.primary)))
+                self.results[node_id].append((cid, Batch(out.size, out.tensors, meta, out.primary),
+                                              self.chunks[cid]["sample"]))
                 self.timeline.append(Timed(node_id, rank, now - secs, now))
         return set(item.outs)
 
@@ -403,8 +435,10 @@ class GenInfer:
             self.arrivals.append(time.perf_counter())
             return len(self.chunks) - 1
 
-    def _forward(self, rank: int, cid: int, node: Node) -> None:
-        chunk = self.chunks[cid]
+    def _forward(self, rank: int, cid: int | Sequence[int], node: Node) -> None:
+        """Run `node` on chunk `cid` (several chunks: on them together, as one batch)."""
+        cids = [cid] if isinstance(cid, int) else list(cid)
+        chunk = self.chunks[cids[0]] if len(cids) == 1 else concat([self.chunks[c] for c in cids])
         t0 = time.perf_counter()
         if node.worker_group in self.other:  # placed on another group: its ranks share the chunk
             out = self.other[node.worker_group].call(node.op, node.model, chunk, dict(node.attrs),
@@ -412,7 +446,7 @@ class GenInfer:
         else:
             out = self.ranks.on_rank(rank, node.op, node.model, chunk, dict(node.attrs))
         with self.lock:
-            self.results[node.id].append((cid, out))
+            self.results[node.id].append((cids[0], out, chunk["sample"]))
             self.timeline.append(Timed(node.id, rank, t0, time.perf_counter()))
 
     def _finish(self, start: float) -> tuple[Batch, dict[str, Batch], dict[str, float]]:
@@ -421,7 +455,7 @@ class GenInfer:
         outs = {}
         for node_id, parts in self.results.items():
             parts.sort(key=lambda p: p[0])
-            outs[node_id] = assemble([b for _, b in parts], [samples[c] for c, _ in parts])
+            outs[node_id] = assemble([b for _, b, _ in parts], [rows for _, _, rows in parts])
         gen_end = max(self.arrivals)
         infer = [t for t in self.timeline if t.what != "generate"]
         busy = sum(t.end - t.start for t in infer)

@@ -22,7 +22,15 @@ from flowrl.ir.graph import ModelDecl
 from flowrl.models.build import LoadedModel, ModelSpec, build_model, copy_backbone
 from flowrl.runtime.batch import Batch
 from flowrl.runtime.schedule import Turn, interleave, taking_turns
-from flowrl.runtime.streaming import ChunkForward, Scored, chunk_batches, chunk_of, sampling_of, score_chunks
+from flowrl.runtime.streaming import (
+    ChunkForward,
+    Scored,
+    chunk_batches,
+    chunk_of,
+    flush_of,
+    sampling_of,
+    score_chunks,
+)
 
 ROLLOUT_KEYS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "temperature")
 
@@ -153,7 +161,8 @@ class ModelWorker:
         stream = generate_stream(loaded.module, loaded.tokenizer, ids, n=n, sampling=sampling_of(attrs),
                                  generator=torch.Generator(device="cpu").manual_seed(step_seed),
                                  chunk=chunk_of(attrs), share_prefix=bool(attrs.get("share_prefix", False)),
-                                 first_sample=first_prompt * n, control=control, device=str(self.device))
+                                 first_sample=first_prompt * n, control=control, flush=flush_of(attrs),
+                                 device=str(self.device))
         return score_chunks(self, chunk_batches(stream, loaded.tokenizer, n, attrs), inline)
 
     def resume_stream(self, model: str, tails: Sequence[Tail], attrs: Mapping[str, Any], *,
@@ -161,7 +170,8 @@ class ModelWorker:
         """Continue unfinished rows migrated from other ranks (the long tail) as one batch."""
         loaded = self.models[model]
         stream = resume_stream(loaded.module, loaded.tokenizer, tails, sampling=sampling_of(attrs),
-                               chunk=chunk_of(attrs), control=control, device=str(self.device))
+                               chunk=chunk_of(attrs), control=control, flush=flush_of(attrs),
+                               device=str(self.device))
         return chunk_batches(stream, loaded.tokenizer, int(attrs.get("n", 1)), attrs)
 
     def _inputs(self, rollout: Batch) -> tuple[torch.Tensor, ...]:

@@ -146,6 +146,20 @@ def test_a_stream_yields_exactly_the_samples_of_generate(family: str, kw: dict[s
     assert torch.equal(got["mask"], ref.response_mask)
 
 
+def test_flush_hands_partial_chunks_over_every_few_steps_with_the_same_samples() -> None:
+    """`flush = 2`: whatever finished goes out two decode steps after the last hand-over, full chunk or not."""
+    module, sampling = _policy("gpt2"), Sampling(30, 0, 1.0, 1.0)
+    ref = generate(module, TOK, PROMPTS, n=4, max_tokens=30, generator=torch.Generator().manual_seed(3))
+    items = [list(generate_stream(module, TOK, PROMPTS, n=4, sampling=sampling, chunk=100, flush=flush,
+                                  generator=torch.Generator().manual_seed(3))) for flush in (0, 2)]
+    assert len(items[0]) == 1 and len(items[1]) > 2  # a chunk of 100 never fills: one hand-over without flush
+    got = _empty(16, ref.response_ids.shape[1])
+    for item in items[1]:
+        assert isinstance(item, GenChunk)
+        _place(got, item)
+    assert torch.equal(got["ids"], ref.response_ids) and torch.equal(got["lp"], ref.logprobs)
+
+
 class _ExportAfter:
     def __init__(self, steps: int):
         self.steps, self.seen = steps, 0
@@ -277,7 +291,8 @@ class _GenGate(LocalBackend):
 
     def start(self, graph: Graph, *, seed: int, device: str) -> dict[str, Any]:
         groups = super().start(graph, seed=seed, device=device)
-        return {"gen": _Streams(groups["gen"], self.over), "infer": _Waits(groups["infer"], self)}
+        self.infer = _Waits(groups["infer"], self)
+        return {"gen": _Streams(groups["gen"], self.over), "infer": self.infer}
 
 
 class _Streams:
@@ -302,9 +317,11 @@ class _Streams:
 class _Waits:
     def __init__(self, inner: Any, gate: _GenGate):
         self.inner, self.name, self.world, self.gate = inner, inner.name, 1, gate
+        self.calls: list[str] = []
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         if method in ("logprobs", "values", "score"):
+            self.calls.append(method)
             self.gate.waited.append(self.gate.over.wait(timeout=20))
         return self.inner.call(method, *args, **kwargs)
 
@@ -317,10 +334,17 @@ def test_forwards_on_another_group_run_while_generation_goes_on(ppo: Callable[..
     split = flowrl.dsl.load(path)
     assert {w.name for w in split.worker_groups} == {"gen", "infer"}
     fused_g = passes(split, "fuse-gen-inference")
+    assert fused_g.node("rollout").attrs["flush_steps"] == 8
+    assert fused_g.passes[-1].notes[0].endswith("ref_logp, values, scores run on worker group infer while gen "
+                                                "decodes, fed at least every 8 decode steps")
     gate = _GenGate()
-    on = run_steps(fused_g, steps=2, backend=gate)
-    assert on[0].metrics["fusion/chunks"] >= 2
+    on = run_steps(fused_g, steps=1, backend=gate)
+    assert on[0].metrics["fusion/chunks"] >= 3
     assert gate.waited and all(gate.waited)  # no forward of "infer" held generation up
+    # The first call waited for the end of generation, so every later chunk had queued: one call per forward
+    # took all of them (three forwards: at most two calls each, where chunk by chunk would take 3 x chunks).
+    assert len(gate.infer.calls) <= 6 < 3 * on[0].metrics["fusion/chunks"]
+    on = run_steps(fused_g, steps=2, backend=_GenGate())
     assert_same_numbers(on, run_steps(passes(split), steps=2))
     two = run_steps(fused_g, steps=2, backend=ThreadedLocalBackend(2))
     assert_same_numbers(two, run_steps(passes(split), steps=2, backend=ThreadedLocalBackend(2)))
