@@ -14,6 +14,8 @@ class LocalWorkerGroup:
     """One rank, in this process, so every dispatch mode is a single call. A model placed in several groups
     (split placement) is built once and shared: the in-process equivalent of weight sync."""
 
+    in_process = True  # runs in the controller's process: no worker beside another (see runtime.fusion)
+
     def __init__(self, name: str, workers: Mapping[str, ModelWorker]):
         self.name, self.world = name, 1
         self.workers = dict(workers)  # model name -> the worker holding it

@@ -1,12 +1,13 @@
 """Pass `fuse-gen-inference` (RLHFuse inter-stage fusion), after `share-prefix` in the pass pipeline.
 
 Fuses a rollout's `generate` node with the forwards over that rollout (reference / policy `logprobs`, critic
-`values`, reward-model `score`): all get `fusion = "gen-infer:<rollout>"` and `fusion_kind = "inter-stage"`,
-and the generate node gets `stream_chunk` (samples per hand-off), `migrate_below` (the unfinished fraction
+`values`, reward-model `score`) when at least one of them is placed on another worker group than generation
+(a `placement { }` block), so it can run there while generation decodes: all get `fusion =
+"gen-infer:<rollout>"` and `fusion_kind = "inter-stage"`, and the generate node gets `stream_chunk` (samples per hand-off), `migrate_below` (the unfinished fraction
 of the batch under which the long tail moves to the fewest generation workers that hold it, when forwards
-are queued for the freed workers) and `chunk_forwards` (which ranks run a chunk's forwards); when some of the
-forwards are placed on another worker group, also `flush_steps` (the decode steps after which finished samples
-go out even if the chunk is not full, so that group is not left idle in the long tail). At run time
+are queued for the freed workers), `chunk_forwards` (which generating ranks run the chunk forwards placed on
+their own group) and `flush_steps` (the decode steps after which finished samples go out even if the chunk is
+not full, so the other group is not left idle in the long tail). At run time
 (`flowrl.runtime.streaming`) generation hands finished samples downstream in chunks, the forwards run on each
 chunk while the tail still decodes, and results are put back in sample order, so every number downstream is
 the one the unfused step computes.
@@ -24,9 +25,13 @@ CHUNKS = 4  # hand-offs per rollout when every sample finished at an even pace
 MIN_CHUNK = 4  # samples: smaller forwards cost more per sample than they overlap
 # Where a chunk's forwards run with several generation ranks: on the rank that generated it, between its
 # decode steps ("own-rank": its prompts are cached there and no chunk waits for a free rank), or only on ranks
-# whose generation is over ("free-rank", RLHFuse's split). Measured on two CPU rank processes (long-tail GRPO,
-# 14 steps): own-rank 1.11x stage / 1.05x step, free-rank 0.89x / 0.88x, against unfused.
+# whose generation is over ("free-rank", RLHFuse's split).
 CHUNK_FORWARDS = "own-rank"
+# Colocated stages (generation and every forward on one worker group) are not fused: chunked forwards on the
+# generating ranks overlap nothing. Measured on this repo's 2-core CPU machine once forwards stopped computing
+# response padding (bench/passes_fuse_gen.py, lockstep against unfused, long-tail GRPO / PPO): 1 worker
+# 0.75x / 0.88x stage, 2 rank processes 0.93x (own-rank) and 0.88x (free-rank, RLHFuse's tail migration).
+# The runtime still runs colocated fused stages (tests and hand-written graphs), migration included.
 # Forwards on another worker group (split placement) get finished samples at least this often (decode steps):
 # in the tail samples finish a few at a time, and without it the last chunk's forwards all start after the last
 # sample. Chunks that pile up while that group is busy run together in one call, so a short flush costs little.
@@ -100,19 +105,34 @@ def fuse_gen_inference(graph: Graph) -> tuple[Graph, list[str]]:
         if not fused:
             notes.append(f"{gen.id}: not fused: no forward over it can run during generation")
             continue
+        if all(f.worker_group == gen.worker_group for f in fused):
+            # Colocated: every forward would run on the generating ranks, between their decode steps, so nothing
+            # runs beside generation; the chunked calls only cost more than whole ones (measured above).
+            notes.append(f"{gen.id}: not fused: {', '.join(f.id for f in fused)} run on worker group "
+                         f"{gen.worker_group}, which generates, so nothing would run beside generation (place them "
+                         f"on another pool in a `placement {{ }}` block to overlap them with it)")
+            continue
         chunk = int(str(gen.attrs.get("stream_chunk", chunk_size(graph, gen))))
-        elsewhere = [f for f in fused if f.worker_group != gen.worker_group]
-        extra = {"flush_steps": int(str(gen.attrs.get("flush_steps", FLUSH_STEPS)))} if elsewhere else {}
+        flush = int(str(gen.attrs.get("flush_steps", FLUSH_STEPS)))
         rewritten[gen.id] = gen.with_attrs(fusion=key, fusion_kind="inter-stage", stream_chunk=chunk,
-                                           migrate_below=MIGRATE_BELOW, chunk_forwards=CHUNK_FORWARDS, **extra)
+                                           flush_steps=flush, migrate_below=MIGRATE_BELOW,
+                                           chunk_forwards=CHUNK_FORWARDS)
         for forward in fused:
             rewritten[forward.id] = forward.with_attrs(fusion=key, fusion_kind="inter-stage")
-        note = (f"{gen.id}: streams chunks of {chunk} finished samples into "
-                f"{', '.join(f.id for f in fused)}, each rank scoring its own chunks ({CHUNK_FORWARDS}); the tail "
-                f"migrates below {MIGRATE_BELOW:.0%} unfinished when forwards are queued for freed ranks")
-        if elsewhere:
-            groups = sorted({str(f.worker_group) for f in elsewhere})
-            note += (f"; {', '.join(f.id for f in elsewhere)} run on worker group {', '.join(groups)} while "
-                     f"{gen.worker_group} decodes, fed at least every {extra['flush_steps']} decode steps")
-        notes.append(note)
+        notes.append(_note(gen, fused, chunk, flush))
     return graph.with_nodes([rewritten.get(n.id, n) for n in graph.nodes]), notes
+
+
+def _note(gen: Node, fused: list[Node], chunk: int, flush: int) -> str:
+    elsewhere: dict[str, list[str]] = {}
+    for f in fused:
+        if f.worker_group != gen.worker_group:
+            elsewhere.setdefault(str(f.worker_group), []).append(f.id)
+    note = (f"{gen.id}: streams chunks of {chunk} finished samples (or what finished within {flush} decode steps) to "
+            + "; ".join(f"{', '.join(ids)} on worker group {g}" for g, ids in elsewhere.items())
+            + f", which score them while {gen.worker_group} decodes")
+    here = [f.id for f in fused if f.worker_group == gen.worker_group]
+    if here:
+        note += (f"; {', '.join(here)} run on each generating rank between its decode steps ({CHUNK_FORWARDS}), the "
+                 f"tail migrating below {MIGRATE_BELOW:.0%} unfinished when forwards are queued for freed ranks")
+    return note

@@ -3,7 +3,9 @@
 `run_stage` runs every member of the fused stage a node belongs to (all nodes sharing its `fusion` attr):
 `gen-infer:*` (fuse-gen-inference) through the streaming scheduler in `flowrl.runtime.streaming`, `train:*`
 (fuse-train) as one interleaved call on a worker group (`ModelWorker.update_fused`) or as concurrent calls on
-several groups. A stage the backend cannot run fused runs its members one by one, as if unfused.
+several groups. A stage the backend cannot run fused runs its members one by one, as if unfused: a group that
+cannot stream, or a gen-infer stage whose groups all live in the controller's process (the local backend,
+where "another worker group" is the same process and its chunk forwards would only take turns with decoding).
 """
 
 from __future__ import annotations
@@ -63,7 +65,8 @@ def _one_by_one(ctl: Controller, stage: list[Node], values: dict[str, Batch], st
 def _gen_infer(ctl: Controller, gen: Node, forwards: list[Node], values: dict[str, Batch], step: int,
                metrics: dict[str, float]) -> list[StageRun] | None:
     ranks = rank_group(ctl.groups[gen.worker_group])
-    if ranks is None:
+    in_process = [bool(getattr(ctl.groups[n.worker_group], "in_process", False)) for n in [gen, *forwards]]
+    if ranks is None or (ranks.world == 1 and all(in_process)):
         metrics["fusion/fallback"] = 1.0
         return None
     other = {n.worker_group: ctl.groups[n.worker_group] for n in forwards if n.worker_group != gen.worker_group}

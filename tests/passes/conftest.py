@@ -35,6 +35,17 @@ step {{
     {body}
 }}
 run {{ steps = 2, seed = 5 }}
+{placement}
+"""
+# Generation and the actor's own forward on one pool, the other models on another (what fuse-gen-inference
+# needs: forwards that run beside generation).
+SPLIT = """
+placement {
+    pool gen   { gpus = 1 }
+    pool infer { gpus = 1 }
+    actor -> gen
+    ref, critic, rm -> infer
+}
 """
 PPO_UPDATES = """actor.update(rollout, old_logp = old_logp, ref_logp = ref_logp, advantages = adv, kl_coef = 0.05)
     critic.update(rollout, values = values, returns = adv)"""
@@ -51,13 +62,14 @@ def long_prompts(count: int = 8) -> list[str]:
 
 @pytest.fixture
 def ppo(tmp_path: Path) -> Callable[..., Graph]:
-    """A PPO flow (no passes run): `ppo(n=4, max_tokens=16, prompts=[...], body=..., ...)`."""
+    """A PPO flow (no passes run): `ppo(n=4, max_tokens=16, prompts=[...], body=..., placement=SPLIT, ...)`."""
 
     def build(*, n: int = 4, max_tokens: int = 16, batch: int = 4, prompts: Sequence[str] | None = None,
-              body: str = PPO_UPDATES, actor_extra: str = "", critic_extra: str = "", text: str | None = None) -> Graph:
+              body: str = PPO_UPDATES, actor_extra: str = "", critic_extra: str = "", text: str | None = None,
+              placement: str = "") -> Graph:
         data = write_data(tmp_path, "data.jsonl", long_prompts() if prompts is None else prompts)
         source = text or PPO.format(model=MODEL, data=data, batch=batch, n=n, max_tokens=max_tokens, body=body,
-                                    actor_extra=actor_extra, critic_extra=critic_extra)
+                                    actor_extra=actor_extra, critic_extra=critic_extra, placement=placement)
         path = tmp_path / "flow.flow"
         path.write_text(source)
         return flowrl.dsl.load(path)

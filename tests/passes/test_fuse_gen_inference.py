@@ -22,7 +22,7 @@ from flowrl.runtime.batch import Batch
 from flowrl.runtime.ranks import ThreadedLocalBackend
 from flowrl.runtime.streaming import assemble
 
-from .conftest import MODEL, assert_same_numbers, passes, run_steps
+from .conftest import MODEL, SPLIT, assert_same_numbers, passes, run_steps
 
 FUSED = ("rollout", "old_logp", "ref_logp", "values", "scores")
 
@@ -32,14 +32,16 @@ def fused(g: Graph) -> list[str]:
 
 
 def test_fuses_generation_with_the_forwards_over_its_rollout(ppo: Callable[..., Graph]) -> None:
-    g, notes = fuse_gen_inference(ppo(n=4, batch=4))
+    g, notes = fuse_gen_inference(ppo(n=4, batch=4, placement=SPLIT))
     assert fused(g) == list(FUSED)
     gen = g.node("rollout")
     assert (gen.attrs["fusion_kind"], gen.attrs["stream_chunk"], gen.attrs["migrate_below"]) == ("inter-stage", 4, 0.2)
     assert all(g.node(i).attrs["fusion_kind"] == "inter-stage" for i in FUSED)
-    assert notes == ["rollout: streams chunks of 4 finished samples into old_logp, ref_logp, values, scores, each "
-                     "rank scoring its own chunks (own-rank); the tail migrates below 20% unfinished when forwards "
-                     "are queued for freed ranks"]
+    assert gen.attrs["flush_steps"] == 8 and gen.attrs["chunk_forwards"] == "own-rank"
+    assert notes == ["rollout: streams chunks of 4 finished samples (or what finished within 8 decode steps) to "
+                     "ref_logp, values, scores on worker group infer, which score them while gen decodes; old_logp "
+                     "run on each generating rank between its decode steps (own-rank), the tail migrating below 20% "
+                     "unfinished when forwards are queued for freed ranks"]
 
 
 NO_FORWARDS = f"""
@@ -63,11 +65,14 @@ def _already_fused(g: Graph) -> Graph:
 
 
 GEN_REFUSALS: list[tuple[str, dict[str, Any], str]] = [
-    ("engine", dict(actor_extra=', engine = "vllm"'),
+    ("engine", dict(actor_extra=', engine = "vllm"', placement=SPLIT),
      "rollout: not fused: actor uses engine 'vllm', which cannot hand samples over as they finish"),
-    ("short responses", dict(max_tokens=8),
+    ("short responses", dict(max_tokens=8, placement=SPLIT),
      "rollout: not fused: max_tokens = 8 < 16: samples finish too close together to stream"),
     ("no forwards", dict(text=NO_FORWARDS), "rollout: not fused: no logprobs/values/score call reads it"),
+    ("colocated", {}, "rollout: not fused: old_logp, ref_logp, values, scores run on worker group colocated, which "
+     "generates, so nothing would run beside generation (place them on another pool in a `placement { }` block "
+     "to overlap them with it)"),
 ]
 
 
@@ -79,11 +84,12 @@ def test_refuses_the_rollout(ppo: Callable[..., Graph], build: dict[str, Any], n
 
 
 FORWARD_REFUSALS: list[tuple[str, dict[str, Any], Callable[[Graph], Graph], str, str]] = [
-    ("engine", dict(critic_extra=', engine = "deepspeed"'), lambda g: g, "values",
+    ("engine", dict(critic_extra=', engine = "deepspeed"', placement=SPLIT), lambda g: g, "values",
      "values: not fused with rollout: critic uses engine 'deepspeed'"),
-    ("updated before", dict(body=UPDATE_FIRST), lambda g: g, "late",
+    ("updated before", dict(body=UPDATE_FIRST, placement=SPLIT), lambda g: g, "late",
      "late: not fused with rollout: actor.update runs before it, so it needs the updated weights"),
-    ("already fused", {}, _already_fused, "values", "values: not fused with rollout: already fused in mine"),
+    ("already fused", dict(placement=SPLIT), _already_fused, "values",
+     "values: not fused with rollout: already fused in mine"),
 ]
 
 
@@ -98,7 +104,7 @@ def test_refuses_one_forward_and_fuses_the_rest(ppo: Callable[..., Graph], build
 
 
 def test_idempotent(ppo: Callable[..., Graph]) -> None:
-    once = passes(ppo(), "fuse-gen-inference")
+    once = passes(ppo(placement=SPLIT), "fuse-gen-inference")
     twice = passes(once, "fuse-gen-inference")
     assert twice.nodes == once.nodes and [p.changed for p in twice.passes] == [True, False]
 
@@ -211,15 +217,24 @@ def test_assemble_restores_sample_order_and_padding() -> None:
 
 
 def test_a_run_computes_the_same_numbers_with_and_without_it(ppo: Callable[..., Graph]) -> None:
-    g = ppo(n=4, batch=4)
-    on = run_steps(passes(g, "fuse-gen-inference"))
+    g = ppo(n=4, batch=4, placement=SPLIT)
+    on = run_steps(passes(g, "fuse-gen-inference"), backend=ThreadedLocalBackend(1))
     assert on[0].metrics["fusion/chunks"] >= 2 and on[0].metrics["fusion/workers"] == 1
+    assert_same_numbers(on, run_steps(passes(g)))
+
+
+def test_the_local_backend_runs_the_stage_unfused(ppo: Callable[..., Graph]) -> None:
+    """Every group in the controller's process: another group is no worker beside generation, so the stage's
+    members run one by one (chunked forwards would only take turns with decoding)."""
+    g = ppo(n=4, batch=4, placement=SPLIT)
+    on = run_steps(passes(g, "fuse-gen-inference"))
+    assert all(r.metrics["fusion/fallback"] == 1.0 and "fusion/chunks" not in r.metrics for r in on)
     assert_same_numbers(on, run_steps(passes(g)))
 
 
 @pytest.mark.parametrize("where", ["own-rank", "free-rank"])
 def test_two_ranks_migrate_the_tail_and_compute_the_same_numbers(ppo: Callable[..., Graph], where: str) -> None:
-    g = passes(ppo(n=4, batch=4), "fuse-gen-inference")
+    g = passes(ppo(n=4, batch=4, placement=SPLIT), "fuse-gen-inference")
     assert g.node("rollout").attrs["chunk_forwards"] == "own-rank"
     eager = g.with_nodes([n.with_attrs(migrate_below=0.9, chunk_forwards=where) if n.id == "rollout" else n
                           for n in g.nodes])
@@ -232,7 +247,7 @@ def test_two_ranks_migrate_the_tail_and_compute_the_same_numbers(ppo: Callable[.
     else:  # chunks queue for free ranks (whether rows move depends on how many are left when it fires, which
         # depends on thread timing; the hand-over itself is tested deterministically above)
         assert inline == 0
-    assert_same_numbers(on, run_steps(passes(ppo(n=4, batch=4)), backend=ThreadedLocalBackend(2)))
+    assert_same_numbers(on, run_steps(passes(ppo(n=4, batch=4, placement=SPLIT)), backend=ThreadedLocalBackend(2)))
 
 
 class _RemoteLike(ThreadedLocalBackend):
@@ -252,7 +267,7 @@ class _NoRanks:
 
 
 def test_a_group_that_cannot_stream_runs_the_stage_unfused(ppo: Callable[..., Graph]) -> None:
-    g = ppo(n=4, batch=4)
+    g = ppo(n=4, batch=4, placement=SPLIT)
     on = run_steps(passes(g, "fuse-gen-inference"), steps=1, backend=_RemoteLike(2))
     assert on[0].metrics["fusion/fallback"] == 1.0
     assert_same_numbers(on, run_steps(passes(g), steps=1, backend=ThreadedLocalBackend(2)))
@@ -264,21 +279,14 @@ def test_process_ranks_stream_migrate_and_train_data_parallel(ppo: Callable[...,
     compute what two in-process ranks compute."""
     from flowrl.runtime.procs import ProcessBackend
 
-    g = passes(ppo(n=4, batch=4), "fuse-gen-inference", "fuse-train")
-    eager = g.with_nodes([n.with_attrs(migrate_below=0.9) if n.id == "rollout" else n for n in g.nodes])
+    g = passes(ppo(n=4, batch=4, placement=SPLIT), "fuse-gen-inference", "fuse-train")
+    eager = g.with_nodes([n.with_attrs(migrate_below=0.9, chunk_forwards="free-rank") if n.id == "rollout" else n
+                          for n in g.nodes])
     on = run_steps(eager, steps=2, backend=ProcessBackend(2))
     assert on[0].metrics["fusion/workers"] == 2
-    assert_same_numbers(on, run_steps(passes(ppo(n=4, batch=4)), steps=2, backend=ThreadedLocalBackend(2)))
+    assert_same_numbers(on, run_steps(passes(ppo(n=4, batch=4, placement=SPLIT)), steps=2,
+                                      backend=ThreadedLocalBackend(2)))
 
-
-SPLIT = """
-placement {
-    pool gen   { gpus = 1 }
-    pool infer { gpus = 1 }
-    actor -> gen
-    ref, critic, rm -> infer
-}
-"""
 
 
 class _GenGate(LocalBackend):
@@ -329,14 +337,10 @@ class _Waits:
 def test_forwards_on_another_group_run_while_generation_goes_on(ppo: Callable[..., Graph]) -> None:
     """Split placement: the forwards of ref, critic and rm (pool "infer") are sent to their group chunk by chunk
     from a thread of their own, so generation never waits for them; same numbers as unfused."""
-    path = Path(ppo(n=4, batch=4).path)
-    path.write_text(path.read_text() + SPLIT)
-    split = flowrl.dsl.load(path)
+    split = ppo(n=4, batch=4, placement=SPLIT)
     assert {w.name for w in split.worker_groups} == {"gen", "infer"}
     fused_g = passes(split, "fuse-gen-inference")
     assert fused_g.node("rollout").attrs["flush_steps"] == 8
-    assert fused_g.passes[-1].notes[0].endswith("ref_logp, values, scores run on worker group infer while gen "
-                                                "decodes, fed at least every 8 decode steps")
     gate = _GenGate()
     on = run_steps(fused_g, steps=1, backend=gate)
     assert on[0].metrics["fusion/chunks"] >= 3

@@ -8,6 +8,7 @@ import pytest
 
 from flowrl.cli import compile_file, main
 from flowrl.passes import REGISTRY, names, select
+from flowrl.runtime.ranks import ThreadedLocalBackend
 from flowrl.viz.views import draw
 
 from .conftest import run_steps
@@ -34,11 +35,12 @@ def test_each_pass_switches_off(off: str) -> None:
 def test_explain_says_what_each_pass_did(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["compile", str(EXAMPLES / "longtail_ppo.flow"), "--explain"]) == 0
     out = capsys.readouterr().out
-    assert ("rollout = actor.generate(prompts=prompts) {chunk_forwards=\"own-rank\", fusion=\"gen-infer:rollout\", "
-            "fusion_kind=\"inter-stage\"") in out
+    assert ("rollout = actor.generate(prompts=prompts) {chunk_forwards=\"own-rank\", flush_steps=8, "
+            "fusion=\"gen-infer:rollout\", fusion_kind=\"inter-stage\"") in out
     assert "pass share-prefix: changed the graph" in out
-    assert "  - rollout: streams chunks of 32 finished samples into old_logp, ref_logp, values, scores" in out
-    assert "  - actor.update + critic.update: one training stage, interleave in worker group colocated" in out
+    assert ("  - rollout: streams chunks of 32 finished samples (or what finished within 8 decode steps) to old_logp, "
+            "ref_logp, values, scores on worker group train, which score them while rollout decodes") in out
+    assert "  - actor.update + critic.update: one training stage, interleave in worker group train" in out
 
 
 def test_optimized_view_boxes_both_fused_stages() -> None:
@@ -49,6 +51,7 @@ def test_optimized_view_boxes_both_fused_stages() -> None:
 
 @pytest.mark.parametrize("flow", ["longtail_grpo", "longtail_ppo"])
 def test_long_tail_examples_run(flow: str) -> None:
+    """Their pools as thread ranks (the local backend would run the fused stage unfused: one process)."""
     g = compile_file(str(EXAMPLES / f"{flow}.flow"), ["prompts.batch=2", "actor.dim=32", "actor.layers=1"])
-    row = run_steps(g, steps=1)[0].metrics
-    assert row["fusion/chunks"] >= 1 and "reward_mean" in row
+    row = run_steps(g, steps=1, backend=ThreadedLocalBackend(1))[0].metrics
+    assert row["fusion/chunks"] >= 1 and "fusion/fallback" not in row and "reward_mean" in row

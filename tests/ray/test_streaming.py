@@ -14,6 +14,15 @@ from flowrl.runtime import runner
 
 pytestmark = [pytest.mark.ray, pytest.mark.usefixtures("ray_session")]
 
+# The actor (generation and its own forward) on one pool, the reference on another: fuse-gen-inference fuses
+# only where a forward can run beside generation.
+PLACED = """placement {
+    pool gen   { gpus = 1 }
+    pool infer { gpus = 1 }
+    actor -> gen
+    ref -> infer
+}"""
+
 
 def _same(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> None:
     """Equal metrics but times and the fusion counters (only the fused side has those): within 1e-5 in step 1,
@@ -29,7 +38,7 @@ def _same(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> None:
 
 def test_one_rank_streams_and_matches_the_local_backend(tiny: Callable[..., Graph], tmp_path: Path,
                                                         local_metrics: Callable[..., Any]) -> None:
-    g = tiny(steps=2, max_tokens=20)
+    g = tiny(steps=2, max_tokens=20, placement=PLACED)
     assert g.node("rollout").attrs.get("fusion") == "gen-infer:rollout"
     metrics = runner.run(g, out_dir=tmp_path, backend="ray").metrics
     assert all("fusion/fallback" not in r and r["fusion/chunks"] >= 1 for r in metrics)
@@ -41,12 +50,13 @@ def test_two_ranks_stream_migrate_and_match_the_unfused_stage(tiny: Callable[...
                                                                tmp_path: Path, where: str) -> None:
     import flowrl
 
-    text = flow_text(steps=2, max_tokens=20, replicas=2)
-    fused = flowrl.compile_flow(text, "/flows/tiny_grpo.flow")
+    text = flow_text(steps=2, max_tokens=20, replicas=2, placement=PLACED)
+    # old_logp kept (one optimizer step would drop it): it runs on the generating ranks, ref_logp on `infer`.
+    fused = flowrl.compile_flow(text, "/flows/tiny_grpo.flow", no_pass=["on-policy-logp"])
     eager = fused.with_nodes([n.with_attrs(migrate_below=0.9, chunk_forwards=where) if n.op == "generate" else n
                               for n in fused.nodes])
     on = runner.run(eager, out_dir=tmp_path / "on", backend="ray").metrics
-    off = runner.run(flowrl.compile_flow(text, "/flows/tiny_grpo.flow", no_pass=["fuse-gen-inference"]),
+    off = runner.run(flowrl.compile_flow(text, "/flows/tiny_grpo.flow", no_pass=["on-policy-logp", "fuse-gen-inference"]),
                      out_dir=tmp_path / "off", backend="ray").metrics
     assert all(r["fusion/workers"] == 2 and "fusion/fallback" not in r for r in on)
     if where == "own-rank":
@@ -76,12 +86,12 @@ def test_a_tail_exported_by_one_ray_rank_resumes_on_another_with_the_same_sample
     from flowrl.runtime.batch import Batch
     from flowrl.runtime.streaming import assemble
 
-    graph = flowrl.compile_flow(flow_text(max_tokens=40, replicas=2), "/flows/tiny_grpo.flow")
+    graph = flowrl.compile_flow(flow_text(max_tokens=40, replicas=2, placement=PLACED), "/flows/tiny_grpo.flow")
     attrs = dict(graph.node("rollout").attrs)
     texts = ["1+2=", "3+4=", "5+6=", "7+8="]
     prompts = Batch(4, {}, {"prompt": texts, "row": [{"prompt": t} for t in texts], "prompt_id": [0, 1, 2, 3]})
     backend = RayBackend()
-    group: Any = backend.start(graph, seed=3, device="cpu")["colocated"]
+    group: Any = backend.start(graph, seed=3, device="cpu")["gen"]
     try:
         whole = list(group.on_rank(0, "generate_stream", "actor", prompts, attrs, step_seed=11))
         control = _ExportAtOnce()
