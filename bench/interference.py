@@ -29,7 +29,8 @@ def _worker() -> tuple[Any, Any, Any]:
     graph = compile_file(str(ROOT / "examples" / "longtail_grpo.flow"), [])
     side = make_side("x", graph, LocalBackend())
     side.ctl.step(1)
-    return side.ctl.groups["colocated"].workers["actor"], graph, _prompt_batch(side.ctl.loaders["prompts"])
+    group = side.ctl.groups[graph.node("rollout").worker_group]
+    return group.workers["actor"], graph, _prompt_batch(side.ctl.loaders["prompts"])
 
 
 def _forwards(started: Any, stop: Any) -> None:

@@ -41,15 +41,14 @@ NOTES = [
     "fuse-gen-inference is off on both sides so that those forwards are separate nodes.",
     "- **fuse-gen-inference** (`bench/passes_fuse_gen.py`): `examples/longtail_grpo.flow` and "
     "`examples/longtail_ppo.flow` (128 samples a step, max_tokens 64, response lengths long-tailed). Stage = "
-    "generation plus the forwards over its rollout. *colocated, 1 worker*: the local backend; generation and the "
-    "chunk forwards interleave on one worker, so nothing overlaps (streaming pays where a chunk's forwards reuse "
-    "the prompts generation just computed). *colocated, 2 workers*: `flowrl.runtime.procs.ProcessBackend`, two "
-    "spawned data-parallel rank processes holding every model (one torch thread each; gloo all-reduce in the "
-    "update); each rank scores its own chunks between decode steps (`chunk_forwards = \"own-rank\"`). *split, 2 "
-    "workers*: LANGUAGE.md's placement (`actor.generate -> rollout`; `actor.update` and the other models -> "
-    "`train`), one rank process per pool, the new actor weights sent to the rollout pool after each update; "
-    "fused, the train pool scores chunks (fed at least every 8 decode steps, chunks that queued while it was busy "
-    "taken in one call) while the rollout pool decodes; unfused, each pool idles while the other works.",
+    "generation plus the forwards over its rollout. *split, 2 workers*: the examples as written, with "
+    "LANGUAGE.md's placement (`actor.generate -> rollout`; `actor.update` and the other models -> `train`), one "
+    "rank process per pool (`ProcessBackend(1)`), the new actor weights sent to the rollout pool after each "
+    "update; fused, the train pool scores chunks (fed at least every 8 decode steps, chunks that queued while it "
+    "was busy taken in one call) while the rollout pool decodes; unfused, each pool idles while the other works. "
+    "*colocated (forced)*: the flows without their placement block, where the pass declines; the fused stage is "
+    "forced onto the graph as the pass would write it, on 1 and 2 rank processes holding every model (each rank "
+    "scores its own chunks between decode steps), to measure why it declines.",
     "- Two processes on this machine are not two devices: the host's 2 cores share caches and memory bandwidth, "
     "so a worker that decodes while another computes slows down (`bench/interference.py`, figures below). That "
     "bounds what any overlap can gain here; on separate GPUs the decoding worker keeps its speed.",
