@@ -5,7 +5,8 @@ rollout) as `GenInfer(...).run()`. Each generation rank runs `ModelWorker.genera
 of finished samples; the forwards run on each chunk while the rest is still decoding, and every result is put
 back in sample order at the end (`assemble`), so downstream nodes see the numbers the unfused step computes.
 
-- One in-process rank (the local backend): generation and the chunk forwards interleave on the one worker.
+- One in-process rank (`_OneRank`, a local group beside a group elsewhere; a stage whose groups are all local
+  runs unfused, see `flowrl.runtime.fusion`): generation and its own group's chunk forwards interleave there.
 - Several ranks (any `RankGroup`: `world` and `on_rank(rank, method, ...)`, as `flowrl.runtime.ranks` (threads)
   and `flowrl.runtime.procs` (processes) provide; a Ray group can too): each rank is driven by a thread here.
   With `chunk_forwards = "own-rank"` (the pass's default) a rank runs the forwards on its own chunks between
