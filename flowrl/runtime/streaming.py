@@ -118,18 +118,13 @@ def score_chunks(worker: Any, items: Iterator[Batch | Tail], inline: Sequence[Ch
 
 
 def assemble(batches: Sequence[Batch], samples: Sequence[torch.Tensor]) -> Batch:
-    """Chunk batches put back in sample order; 2-D tensors padded as one batch has them (responses on the
-    right, prompts on the left, token ids with the tokenizer's pad)."""
-    pad = int(batches[0]["pad"][0]) if "pad" in batches[0].tensors else 0
+    """Chunk batches put back in sample order, without SCRATCH; 2-D tensors padded as one batch has them
+    (responses on the right, prompts on the left, token ids with the tokenizer's pad)."""
+    whole = concat(batches)
     order = torch.argsort(torch.cat(list(samples)))
-    tensors = {}
-    for key in (k for k in batches[0].tensors if k not in SCRATCH):
-        parts = [b.tensors[key] for b in batches]
-        fill = pad if key in ("prompt_ids", "response_ids") else 0
-        tensors[key] = _cat(parts, left=key.startswith("prompt_"), fill=fill)[order]
     rows = order.tolist()
-    meta = {k: [x for b in batches for x in b.meta[k]] for k in batches[0].meta}
-    return Batch(len(rows), tensors, {k: [v[i] for i in rows] for k, v in meta.items()}, batches[0].primary)
+    tensors = {k: t[order] for k, t in whole.tensors.items() if k not in SCRATCH}
+    return Batch(len(rows), tensors, {k: [v[i] for i in rows] for k, v in whole.meta.items()}, whole.primary)
 
 
 def concat(batches: Sequence[Batch]) -> Batch:
@@ -150,6 +145,19 @@ def _cat(parts: list[torch.Tensor], left: bool, fill: int) -> torch.Tensor:
         gap = p.new_full((p.shape[0], width - p.shape[1], *p.shape[2:]), fill)
         out.append(torch.cat([gap, p] if left else [p, gap], dim=1))
     return torch.cat(out)
+
+
+def _drain(jobs: queue.SimpleQueue[Any]) -> tuple[list[Any], bool]:
+    """Wait for one job, then take every job already queued; False once the end (None) was taken."""
+    out: list[Any] = []
+    job = jobs.get()
+    while job is not None:
+        out.append(job)
+        try:
+            job = jobs.get_nowait()
+        except queue.Empty:
+            return out, True
+    return out, False
 
 
 class RankGroup(Protocol):
@@ -347,16 +355,7 @@ class GenInfer:
         failed: BaseException | None = None
         more = True
         while more:
-            job = jobs.get()
-            batch = [] if job is None else [job]
-            while job is not None:
-                try:
-                    job = jobs.get_nowait()
-                except queue.Empty:
-                    break
-                if job is not None:
-                    batch.append(job)
-            more = job is not None
+            batch, more = _drain(jobs)
             by_node: dict[str, tuple[Node, list[int]]] = {}
             for cid, node in batch:
                 by_node.setdefault(node.id, (node, []))[1].append(cid)
