@@ -32,7 +32,7 @@ def ray_session() -> Iterator[Any]:
 
 
 def _flow_text(*, algo: str = "grpo", replicas: int = 1, placement: str = "", batch: int = 4, steps: int = 3,
-               seed: int = 1, max_tokens: int = 2, context: int = 512) -> str:
+               seed: int = 1, max_tokens: int = 2, context: int = 512, reward: str = "arith_exact") -> str:
     """A tiny GRPO or PPO flow (1 layer, dim 32) on the arithmetic data."""
     rep = f", replicas = {replicas}" if replicas != 1 else ""
     critic = f"model critic : critic {{ source = actor, lr = 1e-3{rep} }}\n" if algo == "ppo" else ""
@@ -42,7 +42,7 @@ def _flow_text(*, algo: str = "grpo", replicas: int = 1, placement: str = "", ba
             f'model actor : policy {{ source = "tiny:gpt2", layers = 1, dim = 32, heads = 2, context = {context}, '
             f'charset = "0123456789+=", lr = 1e-3{rep} }}\n'
             f"model ref : reference {{ source = actor{rep} }}\n{critic}"
-            f'reward correct = "flowrl.rewards.arith_exact"\n'
+            f'reward correct = "flowrl.rewards.{reward}"\n'
             f'data prompts = jsonl("{DATA}") {{ batch = {batch}, shuffle = true }}\n'
             f"{use}\n{placement}\n"
             f"run {{ steps = {steps}, seed = {seed} }}\n")

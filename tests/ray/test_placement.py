@@ -42,7 +42,9 @@ def _weights(backend: RayBackend, group: str) -> dict[str, torch.Tensor]:
 def test_split_placement_syncs_weights_and_matches_the_local_run(
         tiny: Callable[..., Graph], tmp_path: Path, local_metrics: Callable[..., Any],
         same_metrics: Callable[..., None], use_backend: Callable[[Any], None]) -> None:
-    graph = tiny(placement=SPLIT)
+    # Partial credit: step 1's rewards differ within a group, so the update moves the weights (with exact match
+    # every 2-token answer of this tiny model scores 0, the gradient is 0 and nothing would be stale).
+    graph = tiny(placement=SPLIT, reward="arith_partial")
     assert [(g.name, g.models) for g in graph.worker_groups] == [("rollout", ("actor",)), ("train", ("actor", "ref"))]
     backend = _NoHook()
     use_backend(backend)
@@ -60,7 +62,8 @@ def test_split_placement_syncs_weights_and_matches_the_local_run(
                         again=RayBackend.after_update(backend, "actor", "train"))
 
     remote = runner.run(graph, out_dir=tmp_path, backend="ray", on_step=on_step)
-    same_metrics(local_metrics(), remote.metrics)
+    same_metrics(local_metrics(reward="arith_partial"), remote.metrics)
+    assert remote.metrics[0]["actor/grad_norm"] > 0  # the precondition of "stale" below
     assert [s["stale"] for s in seen] == [True, True, True]  # each update happened in `train` only
     assert [(s["took"] > 0, s["equal"], s["again"]) for s in (seen[0], seen[2])] == [(True, True, 0.0)] * 2
     assert backend.sync is not None and backend.sync.count["actor"] == 3  # 2 pushes + 1 pull before step 3
