@@ -121,8 +121,10 @@ def compile_pair(flow: str, sets: Sequence[str], pass_name: str) -> tuple[Graph,
     return compile_file(flow, sets), compile_file(flow, sets, no_pass=[pass_name])
 
 
-def cli(description: str) -> argparse.Namespace:
+def cli(description: str, only: bool = False) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=description)
+    if only:
+        p.add_argument("--only", default="", help="only the rows whose workload or placement starts with this")
     p.add_argument("--steps", type=int, default=6, help="measured steps per configuration")
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     p.add_argument("--json", default=None, help="also write the rows to this JSON file")

@@ -47,6 +47,8 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--json", action="store_true", help="print one JSON object")
     c.add_argument("--passes", help="comma-separated passes to run instead of the defaults")
     c.add_argument("--no-pass", action="append", default=[], metavar="NAME", help="switch a pass off")
+    c.add_argument("--pass", dest="with_pass", action="append", default=[], metavar="NAME",
+                   help="switch on a pass that is off by default (score-tail)")
     c.add_argument("--explain", action="store_true", help="say what each pass changed and why")
     c.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a flow key")
 
@@ -68,6 +70,8 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--overwrite", action="store_true", help="replace a run already in --out")
     c.add_argument("--passes", help="comma-separated passes to run instead of the defaults")
     c.add_argument("--no-pass", action="append", default=[], metavar="NAME", help="switch a pass off")
+    c.add_argument("--pass", dest="with_pass", action="append", default=[], metavar="NAME",
+                   help="switch on a pass that is off by default (score-tail)")
     c.add_argument("--quiet", action="store_true", help="no progress bar")
 
     c = verb("viz", "Draw a flow's graph with graphviz (.svg, .png, .pdf or .dot).",
@@ -97,14 +101,15 @@ def _overrides(items: Sequence[str]) -> dict[str, str]:
 
 
 def compile_file(path: str, sets: Sequence[str] = (), passes: str | None = None,
-                 no_pass: Sequence[str] = ()) -> Any:
+                 no_pass: Sequence[str] = (), with_pass: Sequence[str] = ()) -> Any:
     """Load a flow file, apply overrides, run the selected passes."""
     from flowrl.dsl import load
     from flowrl.passes import PassSelectionError, run_passes, select
 
     graph = load(path, overrides=_overrides(sets))
     try:
-        chosen = select([p for p in passes.split(",") if p] if passes is not None else None, list(no_pass))
+        chosen = select([p for p in passes.split(",") if p] if passes is not None else None, list(no_pass),
+                        list(with_pass))
     except PassSelectionError as e:
         raise FlowError(str(e)) from None
     return run_passes(graph, chosen)
@@ -139,7 +144,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 def cmd_compile(args: argparse.Namespace) -> int:
     from flowrl.ir import to_json_text, to_text
 
-    graph = compile_file(args.file, args.set, args.passes, args.no_pass)
+    graph = compile_file(args.file, args.set, args.passes, args.no_pass, args.with_pass)
     print(to_json_text(graph) if args.json else to_text(graph), end="\n" if args.json else "")
     if args.explain:
         print(_explain(graph), file=sys.stderr if args.json else sys.stdout)
@@ -162,7 +167,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from flowrl.runtime.progress import Progress
     from flowrl.runtime.runner import run
 
-    graph = compile_file(args.file, args.set, args.passes, args.no_pass)
+    graph = compile_file(args.file, args.set, args.passes, args.no_pass, args.with_pass)
     out = Path(args.out or Path("runs") / graph.flow)
     total = args.steps if args.steps is not None else int(graph.run.get("steps", 100))
     options = {"address": args.address, "log_dir": str(out / "ray")} if args.backend == "ray" else None

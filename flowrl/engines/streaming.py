@@ -9,10 +9,15 @@ yields a `Tail`: the unfinished rows' KV caches, pending tokens, partial outputs
 rank resumes any number of tails together (`resume_stream`) in one batch. Sampling stays the same because each
 source batch stays a *segment*: it keeps its generator and draws noise of the shape its own loop would have
 drawn (its rows as `generate` would still hold them), and picks its rows' noise from that.
+
+With `partial`, once at most that many rows are still decoding, every flush also hands over the unfinished
+rows' responses so far (a `GenChunk` with `final = False`), so a consumer elsewhere can score their tokens
+while they still decode (`flowrl.engines.incremental`); those rows come again, whole, when they finish.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -54,6 +59,7 @@ class GenChunk:
     response_mask: Tensor  # (c, Tc)
     logprobs: Tensor  # (c, Tc)
     remaining: int  # samples of this stream still decoding
+    final: bool = True  # False: unfinished samples, their responses so far
 
 
 @dataclass
@@ -202,13 +208,17 @@ class _Decoder:
     def remaining(self) -> int:
         return int((~self.done).sum())
 
-    def take(self, slots: Sequence[int]) -> GenChunk:
-        idx = torch.as_tensor(list(slots), dtype=torch.long)
+    def take(self, slots: Sequence[int] | Tensor, final: bool = True) -> GenChunk:
+        idx = torch.as_tensor(slots, dtype=torch.long)
         lens = self.out_mask[idx].sum(1)
         width = max(1, int(lens.max()))
         return GenChunk(self.samples[idx], self.prompt_ids[idx], self.prompt_mask[idx],
                         self.out_ids[idx, :width].clone(), self.out_mask[idx, :width].clone(),
-                        self.out_lp[idx, :width].clone(), self.remaining)
+                        self.out_lp[idx, :width].clone(), self.remaining, final)
+
+    def take_live(self) -> GenChunk:
+        """The unfinished rows' responses so far."""
+        return self.take(self.rows[~self.done].cpu(), final=False)
 
     def export(self) -> Tail:
         live = (~self.done).nonzero().squeeze(1)
@@ -232,9 +242,11 @@ class _Decoder:
 def generate_stream(module: nn.Module, tokenizer: Tokenizer, prompts: Sequence[Sequence[int]], *, n: int,
                     sampling: Sampling, generator: torch.Generator | None, chunk: int, share_prefix: bool = True,
                     first_sample: int = 0, control: StreamControl | None = None, flush: int = 0,
-                    device: str | torch.device = "cpu") -> Iterator[GenChunk | Tail]:
+                    partial: float = 0.0, device: str | torch.device = "cpu") -> Iterator[GenChunk | Tail]:
     """`generate(...)` as a stream: finished samples in chunks of about `chunk` (and, with `flush`, whatever
-    finished once `flush` decode steps passed since the last hand-over), or a `Tail` when exported."""
+    finished once `flush` decode steps passed since the last hand-over), or a `Tail` when exported. With
+    `partial` (a fraction of the rows), unfinished rows' responses so far go out every `flush` steps once at
+    most that fraction is still decoding."""
     s = sampling
     _check_args(prompts, n, s.max_tokens, s.min_tokens, s.temperature, s.top_p)
     dev = torch.device(device)
@@ -266,13 +278,14 @@ def generate_stream(module: nn.Module, tokenizer: Tokenizer, prompts: Sequence[S
     dec.pos = positions_from_mask(full_mask)[:, -1] + 1
     dec.length = width
     dec.segments = [_Segment(None, 0, rows, gen=generator)]
-    return _drive(dec, chunk, control, flush)
+    return _drive(dec, chunk, control, flush, math.floor(partial * rows) if flush > 0 else 0)
 
 
 def resume_stream(module: nn.Module, tokenizer: Tokenizer, tails: Sequence[Tail], *, sampling: Sampling,
-                  chunk: int, control: StreamControl | None = None, flush: int = 0,
+                  chunk: int, control: StreamControl | None = None, flush: int = 0, partial: float = 0.0,
                   device: str | torch.device = "cpu") -> Iterator[GenChunk | Tail]:
-    """Continue the rows of `tails` (from any ranks) as one batch; each tail keeps its own sampling draws."""
+    """Continue the rows of `tails` (from any ranks) as one batch; each tail keeps its own sampling draws
+    (already the tail: with `partial` > 0 its unfinished rows go out every `flush` steps)."""
     s = sampling
     dev = torch.device(device)
     width = max(t.mask.shape[1] for t in tails)
@@ -310,20 +323,23 @@ def resume_stream(module: nn.Module, tokenizer: Tokenizer, tails: Sequence[Tail]
     dec.attn = cat([past, torch.ones((rows, s.max_tokens), dtype=torch.long, device=dev)], dim=1)
     dec.length = width
     dec.aligned = False
-    return _drive(dec, chunk, control, flush)
+    return _drive(dec, chunk, control, flush, rows if partial > 0 and flush > 0 else 0)
 
 
-def _drive(dec: _Decoder, chunk: int, control: StreamControl | None, flush: int = 0) -> Iterator[GenChunk | Tail]:
+def _drive(dec: _Decoder, chunk: int, control: StreamControl | None, flush: int = 0,
+           partial: int = 0) -> Iterator[GenChunk | Tail]:
     """The decode loop: sample, hand finished samples over in chunks, export when asked, feed, repeat. With
     `flush`, a partial chunk goes out once `flush` steps passed since the last hand-over: in the long tail,
-    samples finish a few at a time and a consumer elsewhere would otherwise wait for the last one."""
+    samples finish a few at a time and a consumer elsewhere would otherwise wait for the last one. Once at
+    most `partial` rows are still decoding, their responses so far go out every `flush` steps too."""
     ready: list[int] = []
-    since = 0  # decode steps since the last hand-over
+    since = grown = 0  # decode steps since the last hand-over / the last hand-over of unfinished rows
     if dec.logits is None:
         dec.advance()
     while True:
         ready.extend(dec.sample_step())
         since += 1
+        grown += 1
         if all(seg.ended for seg in dec.segments):
             if ready:
                 yield dec.take(ready)
@@ -331,6 +347,9 @@ def _drive(dec: _Decoder, chunk: int, control: StreamControl | None, flush: int 
         if len(ready) >= chunk or (flush > 0 and ready and since >= flush):
             yield dec.take(ready)
             ready, since = [], 0
+        if 0 < dec.remaining <= partial and grown >= flush:
+            yield dec.take_live()
+            grown = 0
         if control is not None:
             control.progress(dec.remaining)
             if dec.ours and control.should_export():

@@ -61,9 +61,12 @@ class ValueModel(nn.Module):
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
+        past_key_values: Any = None,
     ) -> torch.Tensor:
+        """With `past_key_values` (a cache, updated in place), `input_ids` continue what it holds."""
         out = self.backbone(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+            past_key_values=past_key_values, use_cache=past_key_values is not None,
         )
         hidden = out.last_hidden_state  # (B, T, H)
         return self.value_head(hidden).squeeze(-1)  # (B, T)

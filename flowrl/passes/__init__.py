@@ -57,14 +57,15 @@ class PassSelectionError(ValueError):
     pass
 
 
-def select(only: Sequence[str] | None = None, disabled: Sequence[str] = ()) -> list[RegisteredPass]:
-    """The passes to run: `only` (in pipeline order) or the defaults, minus `disabled`."""
+def select(only: Sequence[str] | None = None, disabled: Sequence[str] = (),
+           enabled: Sequence[str] = ()) -> list[RegisteredPass]:
+    """The passes to run: `only` (in pipeline order) or the defaults plus `enabled`, minus `disabled`."""
     _load_builtin()
     known = {p.name for p in REGISTRY}
-    for name in list(only or []) + list(disabled):
+    for name in list(only or []) + list(disabled) + list(enabled):
         if name not in known:
             raise PassSelectionError(f"unknown pass '{name}' (passes: {', '.join(sorted(known)) or 'none'})")
-    chosen = [p for p in REGISTRY if (p.name in only if only is not None else p.default)]
+    chosen = [p for p in REGISTRY if (p.name in only if only is not None else p.default or p.name in enabled)]
     return [p for p in chosen if p.name not in disabled]
 
 

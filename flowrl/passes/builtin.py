@@ -1,5 +1,11 @@
 """The built-in pass pipeline, in order. Each import registers one pass; PIPELINE is their order."""
 
-from flowrl.passes import fuse_gen_inference, fuse_train, on_policy, share_prefix  # noqa: F401  (registers them)
+from flowrl.passes import (  # noqa: F401  (registers them)
+    fuse_gen_inference,
+    fuse_train,
+    on_policy,
+    score_tail,
+    share_prefix,
+)
 
-PIPELINE = ("on-policy-logp", "share-prefix", "fuse-gen-inference", "fuse-train")
+PIPELINE = ("on-policy-logp", "share-prefix", "fuse-gen-inference", "score-tail", "fuse-train")

@@ -20,6 +20,10 @@ Forwards placed on another worker group (a `placement { }` that puts the referen
 their own pool) do not wait for a generation rank: each chunk is sent to that group as soon as it arrives, one
 call at a time per group from a thread of its own, so those forwards run on their ranks while generation is
 still decoding on its own (RLHFuse's overlap across groups; unfused, that group idles until generation ends).
+With `partial_below` on the generate node, once at most that fraction of a rank's samples is still decoding,
+the rank also hands over the unfinished samples' responses so far (`Growing`) every `flush_steps`; the other
+group scores their tokens as they come (`ModelWorker.score_growing`, keeping each sample's KV cache) and only
+the last tokens remain when a tail sample finishes, so the tail's own forwards run under its decoding too.
 """
 
 from __future__ import annotations
@@ -45,6 +49,9 @@ from flowrl.runtime.schedule import THREADS
 STREAMS = ("generate_stream", "resume_stream")  # worker methods that yield items (RankGroup.on_rank streams)
 SCRATCH = ("sample", "pad")  # per-chunk bookkeeping tensors, dropped when chunks are assembled
 ELSEWHERE = -1  # the `Timed.rank` of forwards run by another worker group
+# What `ModelWorker.score_growing` reads of a sample; `final` marks those that finished.
+GROWING_KEYS = ("sample", "pad", "prompt_ids", "prompt_mask", "response_ids", "response_mask", "temperature")
+OUTPUT = {"logprobs": "logp", "values": "values", "score": "scores"}  # forward op -> its output field
 
 
 def sampling_of(attrs: Mapping[str, Any]) -> Sampling:
@@ -60,13 +67,24 @@ def flush_of(attrs: Mapping[str, Any]) -> int:
     return int(attrs.get("flush_steps", 0) or 0)  # 0: chunks go out full (or at the end)
 
 
+def partial_of(attrs: Mapping[str, Any]) -> float:
+    return float(attrs.get("partial_below", 0) or 0)  # 0: unfinished samples never go out
+
+
 def rank_seed(step_seed: int, rank: int) -> int:
     """Rank 0 samples with the step's seed (so one rank equals the unsharded run); others get their own."""
     return step_seed if rank == 0 else (step_seed * 1_000_003 + rank * 7_919) % (2**31)
 
 
+@dataclass(frozen=True)
+class Growing:
+    """Unfinished samples' responses so far (the rollout's tensors, no text): scored while they decode."""
+
+    batch: Batch
+
+
 def chunk_batches(stream: Iterator[GenChunk | Tail], tok: Tokenizer, n: int,
-                  attrs: Mapping[str, Any]) -> Iterator[Batch | Tail]:
+                  attrs: Mapping[str, Any]) -> Iterator[Batch | Growing | Tail]:
     """Engine chunks as rollout `Batch`es (the fields `ModelWorker.generate` returns, plus SCRATCH)."""
     temperature = float(attrs.get("temperature", 1.0))
     for item in stream:
@@ -75,14 +93,17 @@ def chunk_batches(stream: Iterator[GenChunk | Tail], tok: Tokenizer, n: int,
             continue
         size = int(item.samples.shape[0])
         responses = [tok.decode([t for t, m in zip(r, mk, strict=True) if m]) for r, mk in
-                     zip(item.response_ids.tolist(), item.response_mask.tolist(), strict=True)]
+                     zip(item.response_ids.tolist(), item.response_mask.tolist(), strict=True)] if item.final else []
         tensors = {
             "prompt_ids": item.prompt_ids.cpu(), "prompt_mask": item.prompt_mask.cpu(),
             "response_ids": item.response_ids.cpu(), "response_mask": item.response_mask.cpu(),
             "group_id": item.samples.cpu() // n, "temperature": torch.full((size,), temperature),
             "gen_logp": item.logprobs.cpu(), "sample": item.samples.cpu(), "pad": torch.full((size,), tok.pad_id),
         }
-        yield Batch(size, tensors, {"response": responses}, primary="response_ids")
+        if item.final:
+            yield Batch(size, tensors, {"response": responses}, primary="response_ids")
+        else:
+            yield Growing(Batch(size, tensors, {}, primary="response_ids"))
 
 
 @dataclass(frozen=True)
@@ -103,11 +124,11 @@ class Scored:
     outs: Mapping[str, tuple[Batch, float]]
 
 
-def score_chunks(worker: Any, items: Iterator[Batch | Tail], inline: Sequence[ChunkForward]
-                 ) -> Iterator[Batch | Tail | Scored]:
+def score_chunks(worker: Any, items: Iterator[Batch | Growing | Tail], inline: Sequence[ChunkForward]
+                 ) -> Iterator[Batch | Growing | Tail | Scored]:
     """Run `inline` on every chunk as it comes out of the stream (in the rank's own process)."""
     for item in items:
-        if isinstance(item, Tail) or not inline:
+        if not isinstance(item, Batch) or not inline:
             yield item
             continue
         outs: dict[str, tuple[Batch, float]] = {}
@@ -158,6 +179,53 @@ def _drain(jobs: queue.SimpleQueue[Any]) -> tuple[list[Any], bool]:
         except queue.Empty:
             return out, True
     return out, False
+
+
+class _Work:
+    """What one drain of an other group's queue holds for one forward."""
+
+    def __init__(self, node: Node):
+        self.node = node
+        self.chunks: list[Batch] = []  # finished samples never sent live
+        self.finals: list[Batch] = []  # finished samples the group holds state for
+        self.live: list[Batch] = []  # `Growing` batches, oldest first
+
+    def add(self, kind: str, batch: Batch) -> None:
+        {"chunk": self.chunks, "final": self.finals, "live": self.live}[kind].append(batch)
+
+    def latest(self, done: set[int]) -> list[tuple[Batch, torch.Tensor]]:
+        """(batch, rows) holding each live sample's latest tokens, leaving out those in `done`."""
+        where: dict[int, tuple[int, int]] = {}
+        for b, batch in enumerate(self.live):
+            for row, sample in enumerate(batch["sample"].tolist()):
+                where[sample] = (b, row)
+        rows: dict[int, list[int]] = {}
+        for sample, (b, row) in where.items():
+            if sample not in done:
+                rows.setdefault(b, []).append(row)
+        return [(self.live[b], torch.tensor(r, dtype=torch.long)) for b, r in sorted(rows.items())]
+
+
+def _growing(batch: Batch, final: bool) -> Batch:
+    """The fields `ModelWorker.score_growing` reads, with every row's `final` flag."""
+    tensors = {k: batch.tensors[k] for k in GROWING_KEYS if k in batch.tensors}
+    tensors["final"] = torch.full((batch.size,), final, dtype=torch.bool)
+    return Batch(batch.size, tensors, {}, "response_ids")
+
+
+def _merge_rows(parts: Sequence[tuple[torch.Tensor, torch.Tensor]], size: int) -> torch.Tensor:
+    """Per-rank outputs (each for the final rows at positions `index`) as one (size, ...) tensor."""
+    if not parts:
+        return torch.zeros(0)
+    if parts[0][1].dim() == 1:  # scores
+        flat = torch.zeros(size)
+        for index, o in parts:
+            flat[index] = o
+        return flat
+    out = torch.zeros((size, max(o.shape[1] for _, o in parts)))
+    for index, o in parts:
+        out[index, : o.shape[1]] = o
+    return out
 
 
 class RankGroup(Protocol):
@@ -237,9 +305,17 @@ class GenInfer:
         self.queued = 0  # forwards waiting for a rank that is not generating
         self.own_rank = bool(self._inline())  # generating ranks score their own chunks
         self.inlined = 0  # chunks whose forwards their own rank ran
-        # One queue of (chunk, forward) per other group, drained in order by a thread of its own.
-        self.elsewhere: dict[str, queue.SimpleQueue[tuple[int, Node] | None]] = {
+        # One queue of (kind, forward, batch) per other group, drained in order by a thread of its own; kind is
+        # "chunk" (finished samples), "live" (a `Growing` batch) or "final" (finished samples that went out live).
+        self.elsewhere: dict[str, queue.SimpleQueue[tuple[str, Node, Batch] | None]] = {
             name: queue.SimpleQueue() for name in other}
+        # Groups that score samples while they decode: the stage asks for it (partial_below) and each sample's
+        # state can stay on one rank (one rank, or ranks callable one by one).
+        self.grows = {name for name, g in other.items() if int(getattr(g, "world", 1)) == 1 or hasattr(g, "on_rank")}
+        if partial_of(self.attrs) <= 0 or not self.grows:
+            self.grows, self.attrs["partial_below"] = set(), 0
+        self.grown: set[int] = set()  # samples that went out while decoding
+        self.partials = 0
 
     # -- the two drivers -------------------------------------------------------------------------------
     def run(self) -> tuple[Batch, dict[str, Batch], dict[str, float]]:
@@ -263,6 +339,10 @@ class GenInfer:
         t0 = time.perf_counter()
         for batch in stream:
             self.timeline.append(Timed("generate", 0, t0, time.perf_counter()))
+            if isinstance(batch, Growing):
+                self._grow(batch.batch)
+                t0 = time.perf_counter()
+                continue
             cid = self._add_chunk(batch)
             for node in self._here(cid):
                 self._forward(0, cid, node)
@@ -337,7 +417,10 @@ class GenInfer:
                     for item in self.ranks.on_rank(rank, method, *args, **kwargs):
                         now = time.perf_counter()
                         self.timeline.append(Timed("generate", rank, t0, now))
-                        events.put(("tail" if isinstance(item, Tail) else "chunk", rank, item))
+                        if isinstance(item, Growing):  # queued here, before this rank's later chunks
+                            self._grow(item.batch)
+                        else:
+                            events.put(("tail" if isinstance(item, Tail) else "chunk", rank, item))
                         t0 = time.perf_counter()
                     with self.lock:  # before the event: a later trigger must not count these rows
                         self.remaining[rank] = 0
@@ -348,21 +431,25 @@ class GenInfer:
             except BaseException as e:  # surfaced by the scheduler, which then stops every rank
                 events.put(("error", rank, e))
 
-    def _elsewhere_loop(self, jobs: queue.SimpleQueue[tuple[int, Node] | None]) -> None:
+    def _elsewhere_loop(self, jobs: queue.SimpleQueue[tuple[str, Node, Batch] | None]) -> None:
         """Run one other group's forwards as chunks are queued. Chunks that queued up while the group was busy
         run together, one call per forward: the group never waits on a chunk, and the fewer, larger calls
-        cost less than one per chunk. After an error, only drain."""
+        cost less than one per chunk; of samples still decoding, only their latest tokens count. After an
+        error, only drain."""
         failed: BaseException | None = None
         more = True
         while more:
             batch, more = _drain(jobs)
-            by_node: dict[str, tuple[Node, list[int]]] = {}
-            for cid, node in batch:
-                by_node.setdefault(node.id, (node, []))[1].append(cid)
-            for node, cids in by_node.values():
+            work: dict[str, _Work] = {}
+            for kind, node, part in batch:
+                work.setdefault(node.id, _Work(node)).add(kind, part)
+            for w in work.values():
                 if failed is None:
                     try:
-                        self._forward(ELSEWHERE, cids, node)
+                        if w.chunks:
+                            self._forward_elsewhere(w.node, concat(w.chunks))
+                        if w.finals or w.live:
+                            self._score_growing(w)
                     except BaseException as e:  # re-raised when the stage joins this thread
                         failed = e
         if failed is not None:
@@ -370,11 +457,31 @@ class GenInfer:
 
     # -- pieces --------------------------------------------------------------------------------------
     def _here(self, cid: int) -> list[Node]:
-        """Chunk `cid`'s forwards that run on the generation group; those of other groups are queued for them."""
+        """Chunk `cid`'s forwards that run on the generation group; those of other groups are queued for them
+        (its samples that went out while decoding as "final": the group holds their state)."""
+        chunk = self.chunks[cid]
+        with self.lock:
+            grown = torch.tensor([s in self.grown for s in chunk["sample"].tolist()], dtype=torch.bool)
         for node in self.forwards:
-            if node.worker_group in self.elsewhere:
-                self.elsewhere[node.worker_group].put((cid, node))
+            if node.worker_group not in self.elsewhere:
+                continue
+            jobs = self.elsewhere[node.worker_group]
+            if node.worker_group not in self.grows or not grown.any():
+                jobs.put(("chunk", node, chunk))
+                continue
+            if not grown.all():
+                jobs.put(("chunk", node, chunk.select((~grown).nonzero().squeeze(1))))
+            jobs.put(("final", node, chunk.select(grown.nonzero().squeeze(1))))
         return [node for node in self.forwards if node.worker_group not in self.elsewhere]
+
+    def _grow(self, live: Batch) -> None:
+        """Queue unfinished samples' responses so far for the groups that score them while they decode."""
+        with self.lock:
+            self.grown.update(live["sample"].tolist())
+            self.partials += 1
+        for node in self.forwards:
+            if node.worker_group in self.grows:
+                self.elsewhere[node.worker_group].put(("live", node, live))
 
     def _inline(self) -> list[ChunkForward]:
         """The forwards each generating rank runs on its own chunks between its decode steps ("own-rank", the
@@ -435,18 +542,50 @@ class GenInfer:
             self.arrivals.append(time.perf_counter())
             return len(self.chunks) - 1
 
-    def _forward(self, rank: int, cid: int | Sequence[int], node: Node) -> None:
-        """Run `node` on chunk `cid` (several chunks: on them together, as one batch)."""
-        cids = [cid] if isinstance(cid, int) else list(cid)
-        chunk = self.chunks[cids[0]] if len(cids) == 1 else concat([self.chunks[c] for c in cids])
+    def _forward(self, rank: int, cid: int, node: Node) -> None:
+        """Run `node` on chunk `cid` on a generation rank."""
+        chunk = self.chunks[cid]
         t0 = time.perf_counter()
-        if node.worker_group in self.other:  # placed on another group: its ranks share the chunk
-            out = self.other[node.worker_group].call(node.op, node.model, chunk, dict(node.attrs),
-                                                     dispatch=node.dispatch).result()
-        else:
-            out = self.ranks.on_rank(rank, node.op, node.model, chunk, dict(node.attrs))
+        out = self.ranks.on_rank(rank, node.op, node.model, chunk, dict(node.attrs))
+        self._result(node, out, chunk["sample"], t0, rank)
+
+    def _forward_elsewhere(self, node: Node, chunk: Batch) -> None:
+        """Run `node` on finished samples on its own worker group (its ranks share them)."""
+        t0 = time.perf_counter()
+        out = self.other[node.worker_group].call(node.op, node.model, chunk, dict(node.attrs),
+                                                 dispatch=node.dispatch).result()
+        self._result(node, out, chunk["sample"], t0, ELSEWHERE)
+
+    def _score_growing(self, w: _Work) -> None:
+        """One call per rank of `w.node`'s group: bring the live samples up to date, score the finished ones."""
+        finals = concat(w.finals) if w.finals else None
+        done = set(finals["sample"].tolist()) if finals is not None else set()
+        live = [_growing(b.select(rows), False) for b, rows in w.latest(done)]
+        rows = concat(([_growing(finals, True)] if finals is not None else []) + live)
+        group = self.other[str(w.node.worker_group)]
+        world = int(getattr(group, "world", 1))
+        args = (w.node.model, w.node.op, rows, dict(w.node.attrs))
+        kwargs = dict(node=w.node.id, step_seed=self.step_seed)
+        t0 = time.perf_counter()
+        if world == 1:
+            out = group.call("score_growing", *args, dispatch="rank0", **kwargs).result()
+        else:  # a sample's state lives on rank sample % world; finals come first in `rows`, so in order
+            owner = rows["sample"] % world
+            parts = [(mine, group.on_rank(r, "score_growing", w.node.model, w.node.op, rows.select(mine),
+                                          dict(w.node.attrs), **kwargs))
+                     for r in range(world) if len(mine := (owner == r).nonzero().squeeze(1))]
+            out = _merge_rows([(m[rows["final"][m].bool()], o) for m, o in parts], len(done))
+        if finals is None:
+            with self.lock:
+                self.timeline.append(Timed(w.node.id, ELSEWHERE, t0, time.perf_counter()))
+            return
+        field = OUTPUT[str(w.node.op)]
+        out = out[:, : finals["response_ids"].shape[1]] if out.dim() == 2 else out
+        self._result(w.node, finals.derive(field, **{field: out}), finals["sample"], t0, ELSEWHERE)
+
+    def _result(self, node: Node, out: Batch, samples: torch.Tensor, t0: float, rank: int) -> None:
         with self.lock:
-            self.results[node.id].append((cids[0], out, chunk["sample"]))
+            self.results[node.id].append((len(self.results[node.id]), out, samples))
             self.timeline.append(Timed(node.id, rank, t0, time.perf_counter()))
 
     def _finish(self, start: float) -> tuple[Batch, dict[str, Batch], dict[str, float]]:
@@ -461,7 +600,8 @@ class GenInfer:
         busy = sum(t.end - t.start for t in infer)
         overlap = sum(max(0.0, min(t.end, gen_end) - t.start) for t in infer)
         metrics = {"fusion/chunks": float(len(self.chunks)), "fusion/migrated": float(self.migrated),
-                   "fusion/inline_chunks": float(self.inlined),
+                   "fusion/inline_chunks": float(self.inlined), "fusion/grown": float(len(self.grown)),
+                   "fusion/partials": float(self.partials),
                    "fusion/workers": float(self.ranks.world), "fusion/gen_s": gen_end - start,
                    "fusion/infer_s": busy, "fusion/overlap_s": overlap,
                    "fusion/overlap_frac": overlap / busy if busy > 0 else 0.0}

@@ -14,6 +14,7 @@ import torch
 
 from flowrl.algos import aggregate, kl, ppo_clip_loss, value_loss
 from flowrl.engines.generation import forward_logprobs, forward_logprobs_entropy, forward_values, generate
+from flowrl.engines.incremental import IncrementalScorer
 from flowrl.engines.prefix import packed_logprobs_entropy, packed_values, shared_logprobs, shared_values
 from flowrl.engines.select import Trainer, check_engine, forward_module, make_trainer
 from flowrl.engines.streaming import StreamControl, Tail, generate_stream, resume_stream
@@ -24,10 +25,12 @@ from flowrl.runtime.batch import Batch
 from flowrl.runtime.schedule import Turn, interleave, taking_turns
 from flowrl.runtime.streaming import (
     ChunkForward,
+    Growing,
     Scored,
     chunk_batches,
     chunk_of,
     flush_of,
+    partial_of,
     sampling_of,
     score_chunks,
 )
@@ -82,6 +85,7 @@ class ModelWorker:
         self.models: dict[str, LoadedModel] = {}
         self.trainers: dict[str, Trainer] = {}
         self.generators: dict[str, Any] = {}  # model -> VLLMGenerator, for engine = "vllm"
+        self.growing: dict[str, tuple[int, IncrementalScorer]] = {}  # node id -> (step seed, its scorer)
         for m in models:
             options: Mapping[str, Any] = m.options
             check_engine(m.engine, m.role, model=m.name, trainable=m.trainable, source=m.source,
@@ -153,7 +157,7 @@ class ModelWorker:
     # fuse-gen-inference: generation as a stream of finished-sample chunks (flowrl.runtime.streaming)
     def generate_stream(self, model: str, prompts: Batch, attrs: Mapping[str, Any], *, step_seed: int,
                         first_prompt: int = 0, control: StreamControl | None = None,
-                        inline: Sequence[ChunkForward] = ()) -> Iterator[Batch | Tail | Scored]:
+                        inline: Sequence[ChunkForward] = ()) -> Iterator[Batch | Growing | Tail | Scored]:
         """`generate`'s samples (same seed, same samples), handed over in chunks as they finish. With `inline`,
         this rank runs those forwards on each chunk right away, between decode steps (`Scored` items)."""
         loaded, n = self.models[model], int(attrs.get("n", 1))
@@ -162,16 +166,16 @@ class ModelWorker:
                                  generator=torch.Generator(device="cpu").manual_seed(step_seed),
                                  chunk=chunk_of(attrs), share_prefix=bool(attrs.get("share_prefix", False)),
                                  first_sample=first_prompt * n, control=control, flush=flush_of(attrs),
-                                 device=str(self.device))
+                                 partial=partial_of(attrs), device=str(self.device))
         return score_chunks(self, chunk_batches(stream, loaded.tokenizer, n, attrs), inline)
 
     def resume_stream(self, model: str, tails: Sequence[Tail], attrs: Mapping[str, Any], *,
-                      control: StreamControl | None = None) -> Iterator[Batch | Tail]:
+                      control: StreamControl | None = None) -> Iterator[Batch | Growing | Tail]:
         """Continue unfinished rows migrated from other ranks (the long tail) as one batch."""
         loaded = self.models[model]
         stream = resume_stream(loaded.module, loaded.tokenizer, tails, sampling=sampling_of(attrs),
                                chunk=chunk_of(attrs), control=control, flush=flush_of(attrs),
-                               device=str(self.device))
+                               partial=partial_of(attrs), device=str(self.device))
         return chunk_batches(stream, loaded.tokenizer, int(attrs.get("n", 1)), attrs)
 
     def _inputs(self, rollout: Batch) -> tuple[torch.Tensor, ...]:
@@ -209,6 +213,28 @@ class ModelWorker:
         last = (mask.sum(1) - 1).clamp(min=0).long()
         scores = values.gather(1, last[:, None]).squeeze(1)
         return rollout.derive("scores", scores=scores)
+
+    def score_growing(self, model: str, op: str, rows: Batch, attrs: Mapping[str, Any], *, node: str,
+                      step_seed: int) -> torch.Tensor:
+        """fuse-gen-inference's scoring of samples still decoding (`IncrementalScorer`): `rows` are samples'
+        responses so far (`sample` ids, `final` flags); returns the (F, T) log-probs or values, or the (F,)
+        scores, of the final rows, in their order. State is kept per node and step."""
+        held = self.growing.get(node)
+        if held is None or held[0] != step_seed:
+            temp = float(rows["temperature"][0]) if "temperature" in rows.tensors else 1.0
+            kind = "logprobs" if op == "logprobs" else "values"
+            held = (step_seed, IncrementalScorer(self.models[model].module, kind, temperature=_safe_temp(temp),
+                                                 pad=self._pad(model)))
+            self.growing[node] = held
+        final = rows["final"].bool()
+        prompt_ids, prompt_mask, response_ids, response_mask = self._inputs(rows)
+        out = held[1].feed(rows["sample"], prompt_ids, prompt_mask, response_ids, response_mask, final)  # (F, T)
+        if held[1].held == 0:
+            del self.growing[node]
+        if op != "score":
+            return out
+        last = (rows["response_mask"][final].sum(1) - 1).clamp(min=0).long()  # as `score` reads it
+        return out.gather(1, last[:, None]).squeeze(1)
 
     # ---- training ----------------------------------------------------------------------------------
     def update(self, model: str, batch: Batch, attrs: Mapping[str, Any], *, step_seed: int,

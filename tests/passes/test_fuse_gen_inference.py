@@ -38,6 +38,7 @@ def test_fuses_generation_with_the_forwards_over_its_rollout(ppo: Callable[..., 
     assert (gen.attrs["fusion_kind"], gen.attrs["stream_chunk"], gen.attrs["migrate_below"]) == ("inter-stage", 4, 0.2)
     assert all(g.node(i).attrs["fusion_kind"] == "inter-stage" for i in FUSED)
     assert gen.attrs["flush_steps"] == 8 and gen.attrs["chunk_forwards"] == "own-rank"
+    assert "partial_below" not in gen.attrs  # the score-tail pass's (off by default)
     assert notes == ["rollout: streams chunks of 4 finished samples (or what finished within 8 decode steps) to "
                      "ref_logp, values, scores on worker group infer, which score them while gen decodes; old_logp "
                      "run on each generating rank between its decode steps (own-rank), the tail migrating below 20% "
@@ -164,6 +165,28 @@ def test_flush_hands_partial_chunks_over_every_few_steps_with_the_same_samples()
         assert isinstance(item, GenChunk)
         _place(got, item)
     assert torch.equal(got["ids"], ref.response_ids) and torch.equal(got["lp"], ref.logprobs)
+
+
+def test_unfinished_samples_go_out_as_they_grow_and_again_when_they_finish() -> None:
+    """`partial = 0.5`: once at most half the rows still decode, their responses so far go out every `flush`
+    steps (final = False), each a prefix of the sample that finishes later; the finished samples are unchanged."""
+    module, sampling = _policy("gpt2"), Sampling(30, 0, 1.0, 1.0)
+    ref = generate(module, TOK, PROMPTS, n=4, max_tokens=30, generator=torch.Generator().manual_seed(3))
+    items = list(generate_stream(module, TOK, PROMPTS, n=4, sampling=sampling, chunk=100, flush=2, partial=0.5,
+                                 generator=torch.Generator().manual_seed(3)))
+    live = [i for i in items if isinstance(i, GenChunk) and not i.final]
+    assert len(live) >= 2 and all(0 < i.samples.numel() <= 8 for i in live)
+    got = _empty(16, ref.response_ids.shape[1])
+    for item in items:
+        assert isinstance(item, GenChunk)
+        if item.final:
+            _place(got, item)
+    assert torch.equal(got["ids"], ref.response_ids) and torch.equal(got["lp"], ref.logprobs)
+    for item in live:  # a prefix of the finished sample, one token longer than its last hand-over at least
+        width = item.response_ids.shape[1]
+        assert torch.equal(item.response_ids * item.response_mask, ref.response_ids[item.samples, :width]
+                           * item.response_mask)
+        assert bool((item.response_mask.sum(1) < ref.response_mask[item.samples].sum(1)).all())
 
 
 class _ExportAfter:
@@ -352,6 +375,21 @@ def test_forwards_on_another_group_run_while_generation_goes_on(ppo: Callable[..
     assert_same_numbers(on, run_steps(passes(split), steps=2))
     two = run_steps(fused_g, steps=2, backend=ThreadedLocalBackend(2))
     assert_same_numbers(two, run_steps(passes(split), steps=2, backend=ThreadedLocalBackend(2)))
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_the_other_group_scores_samples_while_they_decode_with_the_same_numbers(
+        ppo: Callable[..., Graph], world: int) -> None:
+    """score-tail: the unfinished samples' tokens go to the "infer" group as they are decoded, which keeps
+    each sample's cache (on its rank sample % world) and finishes it with its last tokens; same numbers."""
+    split = ppo(n=4, batch=4, max_tokens=24, placement=SPLIT)
+    g = passes(split, "fuse-gen-inference", "score-tail")
+    assert g.node("rollout").attrs["partial_below"] == 0.25
+    eager = g.with_nodes([n.with_attrs(partial_below=1.0, flush_steps=2) if n.id == "rollout" else n
+                          for n in g.nodes])
+    on = run_steps(eager, steps=2, backend=ThreadedLocalBackend(world))
+    assert all(r.metrics["fusion/grown"] > 0 and r.metrics["fusion/partials"] >= 2 for r in on)
+    assert_same_numbers(on, run_steps(passes(split), steps=2, backend=ThreadedLocalBackend(world)))
 
 
 DISAGGREGATED = """

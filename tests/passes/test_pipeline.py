@@ -18,9 +18,16 @@ PASSES = ["on-policy-logp", "share-prefix", "fuse-gen-inference", "fuse-train"]
 
 
 def test_registered_in_pipeline_order_and_on_by_default() -> None:
-    assert names()[: len(PASSES)] == PASSES
+    assert names()[: len(PASSES) + 1] == [*PASSES[:3], "score-tail", PASSES[3]]
     assert [p.name for p in select()][: len(PASSES)] == PASSES
     assert all(p.default for p in REGISTRY if p.name in PASSES)
+
+
+def test_a_pass_off_by_default_is_switched_on_with_pass(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["compile", str(EXAMPLES / "longtail_grpo.flow"), "--pass", "score-tail", "--explain"]) == 0
+    out = capsys.readouterr().out
+    assert "partial_below=0.25" in out and "pass score-tail: changed the graph" in out
+    assert "partial_below" not in str(compile_file(str(EXAMPLES / "longtail_grpo.flow")).nodes)
 
 
 @pytest.mark.parametrize("off", PASSES)
