@@ -32,6 +32,7 @@ import math
 import queue
 import threading
 import time
+import uuid
 from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -316,6 +317,7 @@ class GenInfer:
             self.grows, self.attrs["partial_below"] = set(), 0
         self.grown: set[int] = set()  # samples that went out while decoding
         self.partials = 0
+        self.stage = uuid.uuid4().hex  # keys the other groups' state of this stage's growing samples
 
     # -- the two drivers -------------------------------------------------------------------------------
     def run(self) -> tuple[Batch, dict[str, Batch], dict[str, float]]:
@@ -565,7 +567,7 @@ class GenInfer:
         group = self.other[str(w.node.worker_group)]
         world = int(getattr(group, "world", 1))
         args = (w.node.model, w.node.op, rows, dict(w.node.attrs))
-        kwargs = dict(node=w.node.id, step_seed=self.step_seed)
+        kwargs = dict(node=w.node.id, stage=self.stage)
         t0 = time.perf_counter()
         if world == 1:
             out = group.call("score_growing", *args, dispatch="rank0", **kwargs).result()

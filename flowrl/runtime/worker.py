@@ -85,7 +85,7 @@ class ModelWorker:
         self.models: dict[str, LoadedModel] = {}
         self.trainers: dict[str, Trainer] = {}
         self.generators: dict[str, Any] = {}  # model -> VLLMGenerator, for engine = "vllm"
-        self.growing: dict[str, tuple[int, IncrementalScorer]] = {}  # node id -> (step seed, its scorer)
+        self.growing: dict[str, tuple[str, IncrementalScorer]] = {}  # node id -> (fused stage, its scorer)
         for m in models:
             options: Mapping[str, Any] = m.options
             check_engine(m.engine, m.role, model=m.name, trainable=m.trainable, source=m.source,
@@ -215,15 +215,16 @@ class ModelWorker:
         return rollout.derive("scores", scores=scores)
 
     def score_growing(self, model: str, op: str, rows: Batch, attrs: Mapping[str, Any], *, node: str,
-                      step_seed: int) -> torch.Tensor:
+                      stage: str) -> torch.Tensor:
         """fuse-gen-inference's scoring of samples still decoding (`IncrementalScorer`): `rows` are samples'
         responses so far (`sample` ids, `final` flags); returns the (F, T) log-probs or values, or the (F,)
-        scores, of the final rows, in their order. State is kept per node and step."""
+        scores, of the final rows, in their order. State is kept per node and fused stage (a stage that failed
+        leaves nothing behind for the next one)."""
         held = self.growing.get(node)
-        if held is None or held[0] != step_seed:
+        if held is None or held[0] != stage:
             temp = float(rows["temperature"][0]) if "temperature" in rows.tensors else 1.0
             kind = "logprobs" if op == "logprobs" else "values"
-            held = (step_seed, IncrementalScorer(self.models[model].module, kind, temperature=_safe_temp(temp),
+            held = (stage, IncrementalScorer(self.models[model].module, kind, temperature=_safe_temp(temp),
                                                  pad=self._pad(model)))
             self.growing[node] = held
         final = rows["final"].bool()

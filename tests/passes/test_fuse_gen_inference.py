@@ -416,5 +416,8 @@ def test_process_groups_of_a_split_placement_sync_weights_and_stream_to_the_othe
     assert [(w.name, w.models) for w in split.worker_groups] == [("rollout", ("actor",)),
                                                                    ("train", ("actor", "ref", "critic", "rm"))]
     local = run_steps(passes(split), steps=3)
-    for graph in (passes(split, "fuse-gen-inference"), passes(split)):
+    tail = passes(split, "fuse-gen-inference", "score-tail")
+    tail = tail.with_nodes([n.with_attrs(partial_below=1.0, flush_steps=2) if n.id == "rollout" else n
+                            for n in tail.nodes])  # samples cross the pipe as they grow
+    for graph in (passes(split, "fuse-gen-inference"), tail, passes(split)):
         assert_same_numbers(run_steps(graph, steps=3, backend=ProcessBackend(1)), local)
