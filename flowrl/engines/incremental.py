@@ -61,11 +61,13 @@ class IncrementalScorer:
         lengths = response_mask.long().sum(1)  # (B,)
         where = {s: (ci, row) for ci, c in enumerate(self.cohorts) for row, s in enumerate(c.samples)}
         ids = samples.tolist()
+        mine: dict[int, list[tuple[int, int]]] = {}  # cohort -> (index here, its row there)
+        for i, s in enumerate(ids):
+            if s in where:
+                mine.setdefault(where[s][0], []).append((i, where[s][1]))
         with torch.inference_mode():
-            for ci, cohort in enumerate(self.cohorts):
-                mine = [(i, where[s][1]) for i, s in enumerate(ids) if where.get(s, (-1, 0))[0] == ci]
-                if mine:
-                    self._extend(cohort, mine, response_ids, lengths)
+            for ci, rows in mine.items():
+                self._extend(self.cohorts[ci], rows, response_ids, lengths)
             new = [i for i, s in enumerate(ids) if s not in where]
             if new:
                 self.cohorts.append(self._start(new, samples, prompt_ids, prompt_mask, response_ids, lengths))

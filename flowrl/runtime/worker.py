@@ -209,10 +209,7 @@ class ModelWorker:
     def score(self, model: str, rollout: Batch, attrs: Mapping[str, Any]) -> Batch:
         """Reward-model score: the value head at each sample's last response token."""
         values = self.values(model, rollout, attrs)["values"]  # (B, T)
-        mask = rollout["response_mask"]
-        last = (mask.sum(1) - 1).clamp(min=0).long()
-        scores = values.gather(1, last[:, None]).squeeze(1)
-        return rollout.derive("scores", scores=scores)
+        return rollout.derive("scores", scores=_at_last_token(values, rollout["response_mask"]))
 
     def score_growing(self, model: str, op: str, rows: Batch, attrs: Mapping[str, Any], *, node: str,
                       stage: str) -> torch.Tensor:
@@ -225,17 +222,14 @@ class ModelWorker:
             temp = float(rows["temperature"][0]) if "temperature" in rows.tensors else 1.0
             kind = "logprobs" if op == "logprobs" else "values"
             held = (stage, IncrementalScorer(self.models[model].module, kind, temperature=_safe_temp(temp),
-                                                 pad=self._pad(model)))
+                                             pad=self._pad(model)))
             self.growing[node] = held
         final = rows["final"].bool()
         prompt_ids, prompt_mask, response_ids, response_mask = self._inputs(rows)
         out = held[1].feed(rows["sample"], prompt_ids, prompt_mask, response_ids, response_mask, final)  # (F, T)
         if held[1].held == 0:
             del self.growing[node]
-        if op != "score":
-            return out
-        last = (rows["response_mask"][final].sum(1) - 1).clamp(min=0).long()  # as `score` reads it
-        return out.gather(1, last[:, None]).squeeze(1)
+        return _at_last_token(out, rows["response_mask"][final]) if op == "score" else out
 
     # ---- training ----------------------------------------------------------------------------------
     def update(self, model: str, batch: Batch, attrs: Mapping[str, Any], *, step_seed: int,
@@ -375,6 +369,12 @@ class ModelWorker:
 
     def load_weights(self, model: str, weights: Mapping[str, torch.Tensor]) -> None:
         self.models[model].module.load_state_dict(weights)
+
+
+def _at_last_token(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(B,) the value at each sample's last response token: a reward model's score."""
+    last = (mask.sum(1) - 1).clamp(min=0).long()
+    return values.gather(1, last[:, None]).squeeze(1)
 
 
 def _safe_temp(t: float) -> float:
