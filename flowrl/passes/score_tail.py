@@ -7,11 +7,11 @@ keeps each sample's KV cache), so when the last sample finishes only its last to
 Streaming finished samples alone leaves the tail's own forwards after generation: on the long-tail workload
 its slowest 20% of samples hold 44-52% of the response tokens. Same numbers as unfused (float rounding).
 
-Off by default because it measured slower where this repo is measured: on the 2-core CPU machine, split
-long-tail GRPO with one rank process per pool, the fused stage with it against the fused stage without it
-was 0.91x (stage) / 0.95x (step) over 16 lockstep steps (bench/passes_fuse_gen.py, "tail scored as it
-grows"): the extra calls on the train process slow decoding on the other core more than they hide. It is for
-pools on separate devices, where the train pool idles while the tail decodes.
+Off by default because it measured slower on GRPO where this repo is measured (the 2-core CPU machine, one
+rank process per pool, `bench/passes_fuse_gen.py --only split`, the fused stage with it vs without it):
+long-tail GRPO 0.83x stage / 0.93x step, long-tail PPO 1.11x / 1.03x. The extra calls on the train process
+slow decoding on the other core about as much as they hide, unless there is much forward work (PPO's four
+forwards). It is for pools on separate devices, where the train pool idles while the tail decodes.
 """
 
 from __future__ import annotations
