@@ -21,6 +21,7 @@ from torch import Tensor
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from flowrl.engines.generation import generate
+from flowrl.models.build import cache_kw
 
 
 def plain_sample(model: torch.nn.Module, ids: Tensor, mask: Tensor, eos: int, gen: torch.Generator) -> Tensor:
@@ -32,8 +33,8 @@ def plain_sample(model: torch.nn.Module, ids: Tensor, mask: Tensor, eos: int, ge
     lengths = mask.sum(1, keepdim=True)  # (N, 1)
     cache = DynamicCache(config=model.config)
     with torch.inference_mode():
-        out = model(input_ids=ids, attention_mask=mask, position_ids=positions(mask), past_key_values=cache,
-                    use_cache=True, logits_to_keep=1)  # fmt: skip
+        out = model(input_ids=ids, attention_mask=mask, position_ids=positions(mask), use_cache=True,
+                    logits_to_keep=1, **cache_kw(model, cache))  # fmt: skip
         for t in range(shape.COMPLETION):
             logits = out.logits[:, -1] / shape.TEMPERATURE  # (N, V)
             logits[:, eos] = float("-inf")  # min_tokens = max_tokens
@@ -42,7 +43,7 @@ def plain_sample(model: torch.nn.Module, ids: Tensor, mask: Tensor, eos: int, ge
             if t == shape.COMPLETION - 1:
                 break
             out = model(input_ids=tok, attention_mask=attn[:, : width + t + 1], position_ids=lengths + t,
-                        past_key_values=cache, use_cache=True)  # fmt: skip
+                        use_cache=True, **cache_kw(model, cache))  # fmt: skip
     return out_tokens
 
 

@@ -27,6 +27,7 @@ from flowrl.engines.forward import (
     positions_from_mask,
 )
 from flowrl.models.attention import SharedPrefix, reads_shared_prefix
+from flowrl.models.build import cache_kw
 from flowrl.models.tokenizer import Tokenizer
 
 __all__ = [
@@ -92,7 +93,7 @@ def generate(
 
     with torch.inference_mode():
         out = module(input_ids=run_ids, attention_mask=run_mask, position_ids=positions_from_mask(run_mask),
-                     past_key_values=cache, use_cache=True, logits_to_keep=1)  # fmt: skip
+                     use_cache=True, logits_to_keep=1, **cache_kw(module, cache))  # fmt: skip
         logits = out.logits[:, -1].float()  # (B or N, V)
         if share:
             logits = logits.repeat_interleave(n, dim=0)  # (N, V)
@@ -116,7 +117,7 @@ def generate(
                 live = keep if live is None else live[keep]
                 done, tok, attn, next_pos = done[keep], tok[keep], attn[keep], next_pos[keep]
             out = module(input_ids=tok[:, None], attention_mask=attn[:, : width + t + 1],
-                         position_ids=next_pos + t, past_key_values=cache, use_cache=True)  # fmt: skip
+                         position_ids=next_pos + t, use_cache=True, **cache_kw(module, cache))  # fmt: skip
             logits = out.logits[:, -1].float()  # (rows_now, V)
 
     lens = out_mask.sum(dim=1)  # (N,)

@@ -23,6 +23,7 @@ from torch import Tensor, nn
 from transformers import DynamicCache
 
 from flowrl.engines.forward import positions_from_mask
+from flowrl.models.build import cache_kw
 
 __all__ = ["IncrementalScorer"]
 
@@ -135,9 +136,9 @@ class IncrementalScorer:
         """The model's last `keep` outputs: (r, keep, V) scaled logits, or (r, keep) values."""
         if self.kind == "values":
             return self.module(input_ids=ids, attention_mask=attn, position_ids=pos,
-                               past_key_values=cache)[:, -keep:].float()  # fmt: skip
-        out = self.module(input_ids=ids, attention_mask=attn, position_ids=pos, past_key_values=cache,
-                          use_cache=True, logits_to_keep=keep)  # fmt: skip
+                               cache=cache)[:, -keep:].float()  # fmt: skip
+        out = self.module(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True,
+                          logits_to_keep=keep, **cache_kw(self.module, cache))  # fmt: skip
         logits = out.logits.float()
         return logits * self.scale if self.scale != 1.0 else logits
 

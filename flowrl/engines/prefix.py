@@ -34,7 +34,7 @@ from transformers.cache_utils import DynamicLayer
 from flowrl.engines.forward import _entropy, _token_logprobs
 from flowrl.engines.trie import PrefixPlan, plan_of, plan_prefixes
 from flowrl.models.attention import NAME as ATTENTION
-from flowrl.models.build import ValueModel
+from flowrl.models.build import ValueModel, cache_kw
 
 __all__ = ["PromptCache", "packed_logprobs_entropy", "packed_values", "prefill", "shared_logprobs", "shared_values"]
 
@@ -75,11 +75,11 @@ def _run(module: nn.Module, ids: Tensor, attn: Tensor, positions: Tensor, past: 
     for i, (k, v) in enumerate(past or []):
         cache.update(k, v, i)
     if isinstance(module, ValueModel):
-        out = lm(input_ids=ids, attention_mask=attn, position_ids=positions, past_key_values=cache, use_cache=True)
+        out = lm(input_ids=ids, attention_mask=attn, position_ids=positions, use_cache=True, **cache_kw(lm, cache))
         result = out.last_hidden_state[:, -keep:]
     else:
-        out = module(input_ids=ids, attention_mask=attn, position_ids=positions, past_key_values=cache,
-                     use_cache=True, logits_to_keep=keep)  # fmt: skip
+        out = module(input_ids=ids, attention_mask=attn, position_ids=positions, use_cache=True,
+                     logits_to_keep=keep, **cache_kw(module, cache))  # fmt: skip
         result = out.logits[:, -keep:]
     layers: list[Any] = list(cache.layers)
     return result, [(layer.keys, layer.values) for layer in layers]

@@ -27,6 +27,7 @@ from torch import Tensor, nn
 
 from flowrl.engines.forward import positions_from_mask
 from flowrl.engines.generation import _check_args, _left_pad, _make_cache, _Sampler, kv_rows
+from flowrl.models.build import cache_kw
 from flowrl.models.tokenizer import Tokenizer
 
 __all__ = ["GenChunk", "Sampling", "StreamControl", "Tail", "generate_stream", "resume_stream"]
@@ -187,7 +188,7 @@ class _Decoder:
         self.length += 1
         with torch.inference_mode():
             out = self.module(input_ids=self.pending[:, None], attention_mask=self.attn[:, : self.length],
-                              position_ids=self.pos[:, None], past_key_values=self.cache, use_cache=True)  # fmt: skip
+                              position_ids=self.pos[:, None], use_cache=True, **cache_kw(self.module, self.cache))  # fmt: skip
         self.logits = out.logits[:, -1].float()
         self.pos = self.pos + 1
         self.t_row = self.t_row + 1
@@ -264,7 +265,7 @@ def generate_stream(module: nn.Module, tokenizer: Tokenizer, prompts: Sequence[S
     run_ids, run_mask = (ids, mask) if share else (ids.repeat_interleave(n, dim=0), full_mask)
     with torch.inference_mode():
         first = module(input_ids=run_ids, attention_mask=run_mask, position_ids=positions_from_mask(run_mask),
-                       past_key_values=dec.cache, use_cache=True, logits_to_keep=1)  # fmt: skip
+                       use_cache=True, logits_to_keep=1, **cache_kw(module, dec.cache))  # fmt: skip
         logits = first.logits[:, -1].float()
         if share:
             logits = logits.repeat_interleave(n, dim=0)

@@ -8,6 +8,8 @@ RLHF trains with dropout off so rollout log-probs and training log-probs come fr
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,7 +20,7 @@ from torch import nn
 from flowrl.models.attention import install as install_attention
 from flowrl.models.tokenizer import ByteTokenizer, CharTokenizer, HFTokenizer, Tokenizer
 
-__all__ = ["ROLES", "SOURCES", "LoadedModel", "ModelSpec", "ValueModel", "build_model", "copy_backbone"]
+__all__ = ["ROLES", "SOURCES", "LoadedModel", "ModelSpec", "ValueModel", "build_model", "cache_kw", "copy_backbone"]
 
 SOURCES = ("tiny:gpt2", "tiny:llama", "hf:/abs/path")
 ROLES = ("policy", "reference", "critic", "reward_model")
@@ -61,15 +63,31 @@ class ValueModel(nn.Module):
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
-        past_key_values: Any = None,
+        cache: Any = None,
     ) -> torch.Tensor:
-        """With `past_key_values` (a cache, updated in place), `input_ids` continue what it holds."""
+        """With `cache` (a KV cache, updated in place), `input_ids` continue what it holds."""
         out = self.backbone(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-            past_key_values=past_key_values, use_cache=past_key_values is not None,
+            use_cache=cache is not None, **cache_kw(self.backbone, cache),
         )
         hidden = out.last_hidden_state  # (B, T, H)
         return self.value_head(hidden).squeeze(-1)  # (B, T)
+
+
+def cache_kw(module: nn.Module, cache: Any) -> dict[str, Any]:
+    """The keyword that hands `module` a KV cache: `cache` where its forward takes it (transformers >= 5.2x,
+    which deprecates the old name), else `past_key_values` (older releases, as vLLM's pin installs)."""
+    inner: nn.Module = getattr(module, "module", module)  # DeepSpeed's engine wraps the model as `.module`
+    return {_cache_param(type(inner).forward): cache}
+
+
+@functools.cache
+def _cache_param(forward: Any) -> str:
+    try:
+        params = inspect.signature(forward).parameters
+    except (TypeError, ValueError):
+        return "past_key_values"
+    return "cache" if "cache" in params else "past_key_values"
 
 
 def build_model(spec: ModelSpec, seed: int) -> LoadedModel:

@@ -55,12 +55,12 @@ class _EosAfterMultiple(nn.Module):
 
     def __init__(self, lm: nn.Module, every: int) -> None:
         super().__init__()
-        self.lm = lm
+        self.module = lm  # the name `cache_kw` looks through, as for DeepSpeed's wrapper
         self.config = lm.config
         self.every = every
 
     def forward(self, input_ids: Tensor, **kwargs: Any) -> Any:
-        out = self.lm(input_ids=input_ids, **kwargs)
+        out = self.module(input_ids=input_ids, **kwargs)
         logits = out.logits  # (B, k, V): aligned with the last k inputs
         trigger = input_ids[:, -logits.shape[1] :] % self.every == 0
         logits[..., EOS] += trigger.to(logits.dtype) * 100.0

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from flowrl.models.build import LoadedModel, ModelSpec, ValueModel, build_model, copy_backbone
+from flowrl.models.build import LoadedModel, ModelSpec, ValueModel, build_model, cache_kw, copy_backbone
 from flowrl.models.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
 TINY = {"layers": 2, "dim": 32, "heads": 2}
@@ -178,3 +179,34 @@ def test_hf_tokenizer_pad_falls_back_to_eos(tmp_path: Path) -> None:
     PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="<eos>", unk_token="<unk>").save_pretrained(tmp_path)
     tok = HFTokenizer(str(tmp_path))
     assert tok.pad_id == tok.eos_id == 0
+
+
+def test_cache_keyword_follows_the_installed_transformers() -> None:
+    class Old(torch.nn.Module):
+        def forward(self, input_ids: torch.Tensor, past_key_values: Any = None) -> torch.Tensor:
+            return input_ids
+
+    class Wrapped(torch.nn.Module):  # DeepSpeed's engine: forward(*args, **kwargs), the model as `.module`
+        def __init__(self, module: torch.nn.Module):
+            super().__init__()
+            self.module = module
+
+    assert cache_kw(Old(), "kv") == {"past_key_values": "kv"}
+    assert cache_kw(Wrapped(Old()), "kv") == {"past_key_values": "kv"}
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_cached_forwards_raise_no_deprecation_warning(family: str) -> None:
+    """Generation and the value model's cached forward hand the cache over by the name this transformers
+    takes: no FutureWarning on every run, and no break when the old name is removed."""
+    from flowrl.engines.generation import generate
+
+    config = {"layers": 2, "dim": 32, "heads": 4, "context": 64}
+    lm = build_model(ModelSpec(f"tiny:{family}", config), seed=0)
+    critic = build_model(ModelSpec(f"tiny:{family}", config, role="critic"), seed=0).module
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = generate(lm.module, lm.tokenizer, [[1, 2, 3], [4, 5]], n=2, max_tokens=4,
+                       generator=torch.Generator().manual_seed(0))
+        values = critic(input_ids=torch.tensor([[1, 2, 3]]))
+    assert out.response_ids.shape[0] == 4 and values.shape == (1, 3)
