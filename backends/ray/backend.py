@@ -2,13 +2,15 @@
 
 `start` sizes the groups (`cluster.group_specs`), reserves one placement group per worker group, starts every
 rank at once and waits for all of them; `after_update` is the controller's hook for split placement's weight
-sync; `shutdown` stops the actors, frees the placement groups and stops Ray if it was started here. It is safe
-to call `shutdown` at any point (after Ctrl-C, after an error, twice).
+sync; `shutdown` stops the actors, frees the placement groups (waiting until Ray counts their resources free
+again, so a run started next in the same cluster can size its groups) and stops Ray if it was started here. It
+is safe to call `shutdown` at any point (after Ctrl-C, after an error, twice).
 """
 
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 from collections.abc import Mapping
 from pathlib import Path
@@ -24,6 +26,7 @@ from flowrl.ir.graph import Graph
 from flowrl.runtime.protocol import WorkerGroup
 
 log = logging.getLogger("flowrl.ray")
+RELEASE_TIMEOUT_S = 10.0  # how long `shutdown` waits for removed placement groups' resources to be free again
 
 
 class RayBackend:
@@ -45,10 +48,13 @@ class RayBackend:
         self.groups: dict[str, RayWorkerGroup] = {}
         self.sync: WeightSync | None = None
         self._pgs: list[PlacementGroup] = []
+        self._free_before: dict[str, float] = {}  # CPU/GPU free when `start` reserved ours
 
     def start(self, graph: Graph, *, seed: int, device: str) -> dict[str, WorkerGroup]:
         self.session.open()
-        specs = group_specs(graph, seed=seed, device=device, resources=ray.available_resources(),
+        free = ray.available_resources()
+        self._free_before = {k: float(free[k]) for k in ("CPU", "GPU") if k in free}
+        specs = group_specs(graph, seed=seed, device=device, resources=free,
                             crash_on_call=self.crash_on_call, snapshot_every=self.snapshot_every)
         holders: dict[str, list[str]] = {}
         for wg in graph.worker_groups:
@@ -78,13 +84,28 @@ class RayBackend:
         for g in self.groups.values():
             g.kill()
         self.groups = {}
+        removed = 0
         for pg in self._pgs:
             try:
                 remove_placement_group(pg)
+                removed += 1
             except Exception:  # Ray already stopping: the placement group goes with it
                 pass
         self._pgs = []
+        if removed and not self.session.owned:
+            self._await_release()
         self.session.close()
+
+    def _await_release(self) -> None:
+        """Removing a placement group is asynchronous: wait (at most RELEASE_TIMEOUT_S) until the cluster has as
+        much free as before `start`, else the next run in this cluster (a test session's, a notebook's) sees its
+        CPUs still taken and cannot size its groups. Someone else taking them meanwhile only costs the wait."""
+        deadline = time.monotonic() + RELEASE_TIMEOUT_S
+        while time.monotonic() < deadline and ray.is_initialized():
+            free = ray.available_resources()
+            if all(free.get(k, 0.0) >= v - 1e-6 for k, v in self._free_before.items()):
+                return
+            time.sleep(0.05)
 
     # ---- placement groups ---------------------------------------------------------------------------
     def _reserve(self, spec: GroupSpec) -> PlacementGroup:

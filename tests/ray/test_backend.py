@@ -93,3 +93,20 @@ def test_a_wrong_cluster_address_is_a_clear_error_not_minutes_of_retries() -> No
 
     with pytest.raises(FlowError, match=r"cannot join the Ray cluster at 127\.0\.0\.1:1: nothing answers there"):
         Session(address="127.0.0.1:1")._join({})
+
+
+def test_shutdown_returns_the_cpus_before_the_next_run_sizes_its_groups(tiny: Callable[..., Graph],
+                                                                        ray_session: Any) -> None:
+    """Placement groups are removed asynchronously; a run started right after another (the next test, a
+    notebook's second run) must find the CPUs free, not fail with 'no free CPU for its ranks'."""
+    from flowrl.backends.ray.backend import RayBackend
+
+    free = ray_session.available_resources()["CPU"]
+    for _ in range(2):
+        backend = RayBackend()
+        try:
+            groups = backend.start(tiny(replicas=2), seed=0, device="cpu")
+            assert groups and ray_session.available_resources().get("CPU", 0.0) < free  # reserved while running
+        finally:
+            backend.shutdown()
+        assert ray_session.available_resources()["CPU"] >= free  # at once, not some time later
