@@ -122,7 +122,8 @@ class IncrementalScorer:
         # Token j of the new ones is scored by the output before it: the stored last one, then the new ones.
         before = torch.cat([c.last.unsqueeze(1), outs[:, :-1]], dim=1)
         scores = self._score(before, new) * new_mask
-        grown = torch.zeros((len(c.samples), int((c.fed + add).max())), device=device)
+        # Never narrower than before: a finished sample's row left (`_drop`) may have been the widest.
+        grown = torch.zeros((len(c.samples), max(c.scores.shape[1], int((c.fed + add).max()))), device=device)
         grown[:, : c.scores.shape[1]] = c.scores
         at = c.fed[:, None] + torch.arange(width, device=device)[None, :]
         grown.scatter_add_(1, at.clamp(max=grown.shape[1] - 1), scores)

@@ -63,6 +63,16 @@ def test_growing_samples_score_what_one_forward_scores(family: str, role: str) -
     assert scorer.held == 0 and scorer.cohorts == []  # every sample finished: no state left
 
 
+def test_a_cohort_keeps_growing_after_its_longest_sample_left() -> None:
+    """Rows 1 and 5 share a cohort; row 5 grows to 15 tokens and finishes (its state dropped) while row 1 is at
+    9, so the cohort's scores are wider than any row left; row 1 then grows to 12, still narrower, and on."""
+    module = build_model(ModelSpec(source="tiny:gpt2", config=CONFIG, role="policy"), seed=3).module
+    rollout = _rollout()
+    full = forward_logprobs(module, *rollout[:4])
+    got = _grow(IncrementalScorer(module, "logprobs"), rollout, [(9, [1, 5]), (15, [5]), (12, [1]), (20, [1])])
+    assert torch.allclose(got[[1, 5]], full[[1, 5]], atol=1e-5, rtol=0)
+
+
 def test_a_feed_returns_only_the_final_rows_in_their_order() -> None:
     module = build_model(ModelSpec(source="tiny:gpt2", config=CONFIG, role="policy"), seed=3).module
     prompt_ids, prompt_mask, response_ids, response_mask, _ = _rollout()
