@@ -40,7 +40,8 @@ NOTES = [
     "forwards over the rollout (policy and reference log-probs, critic values, reward-model scores). "
     "fuse-gen-inference is off on both sides so that those forwards are separate nodes.",
     "- **fuse-gen-inference** (`bench/passes_fuse_gen.py`): `examples/longtail_grpo.flow` and "
-    "`examples/longtail_ppo.flow` (128 samples a step, max_tokens 64, response lengths long-tailed). Stage = "
+    "`examples/longtail_ppo.flow` (128 samples a step, max_tokens 64, response lengths long-tailed: mean ~15-20 "
+    "tokens, a few samples a step at 64; both flows train at lr 1e-5 so that shape holds while measured). Stage = "
     "generation plus the forwards over its rollout. *split, 2 workers*: the examples as written, with "
     "LANGUAGE.md's placement (`actor.generate -> rollout`; `actor.update` and the other models -> `train`), one "
     "rank process per pool (`ProcessBackend(1)`), the new actor weights sent to the rollout pool after each "
@@ -48,7 +49,8 @@ NOTES = [
     "was busy taken in one call) while the rollout pool decodes; unfused, each pool idles while the other works. "
     "*colocated (forced)*: the flows without their placement block, where the pass declines; the fused stage is "
     "forced onto the graph as the pass would write it, on 1 and 2 rank processes holding every model (each rank "
-    "scores its own chunks between decode steps), to measure why it declines.",
+    "scores its own chunks between decode steps), to measure why it declines. *split, tail scored as it grows*: "
+    "the split stage with `--pass score-tail` against the same fused stage without it.",
     "- Two processes on this machine are not two devices: the host's 2 cores share caches and memory bandwidth, "
     "so a worker that decodes while another computes slows down (`bench/interference.py`, figures below). That "
     "bounds what any overlap can gain here; on separate GPUs the decoding worker keeps its speed.",
