@@ -122,6 +122,8 @@ def test_shared_forwards_equal_the_plain_forward(family: str, min_len: int, layo
     critic = build_model(ModelSpec(f"tiny:{family}", {"layers": 2, "dim": 32, "heads": 2}, role="critic"), 1).module
     if layout == "copies":  # every sample attends to its own copy of its prompt's cache
         monkeypatch.setattr(prefix, "PACK_LIMIT", 0)
+    else:  # packed wherever allowed, whichever costs less here
+        monkeypatch.setattr(prefix, "PACKING", "always")
     if layout == "eager":  # packed rows with a float mask (eager attention adds it to the scores)
         for model in (policy, critic):
             monkeypatch.setattr(model.config, "_attn_implementation", "eager")
@@ -143,6 +145,7 @@ def test_prompts_and_packed_samples_in_one_forward_equal_the_plain_forward(famil
     policy, args = _rollout(family, DISTINCT)
     if eager:
         monkeypatch.setattr(policy.config, "_attn_implementation", "eager")
+    monkeypatch.setattr(prefix, "PACKING", "always")  # whether it costs less here or not
     calls: list[int] = []
     single = prefix._single_pass
     monkeypatch.setattr(prefix, "_single_pass", lambda *a: calls.append(1) or single(*a))
@@ -151,6 +154,40 @@ def test_prompts_and_packed_samples_in_one_forward_equal_the_plain_forward(famil
         shared = shared_logprobs(policy, *args, temperature=0.7, min_len=16, micro_batch=micro, pad=TOK.pad_id)
         assert shared is not None and (shared - forward_logprobs(policy, *args, temperature=0.7)).abs().max() <= 1e-5
     assert calls == [1, 1, 1]  # one call for the whole rollout, then two micro-batches of two prompts
+
+
+def test_packing_is_chosen_where_it_costs_less_with_the_same_numbers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Many short samples per prompt pack into short rows; a long tail (a few samples of a prompt far longer
+    than the rest of the batch, as the last chunk of a streamed long-tail rollout) runs on copies instead."""
+    policy = build_model(ModelSpec("tiny:gpt2", {"layers": 2, "dim": 128, "heads": 4}), seed=0).module
+    gen = torch.Generator().manual_seed(0)
+    prompt_ids = torch.randint(3, 60, (4, 20), generator=gen).repeat_interleave(8, dim=0)  # 4 prompts x 8
+    prompt_mask = torch.ones_like(prompt_ids)
+    lengths = torch.full((32,), 3)
+    rows = list(range(32))
+    assert prefix._packing_pays(policy, [r // 8 for r in rows], 20, _mask(lengths, 64))  # 4 rows of 24
+    lengths[[0, 1, 2, 3, 4, 5, 8, 9]] = 64
+    assert not prefix._packing_pays(policy, [r // 8 for r in rows], 20, _mask(lengths, 64))  # a row of 381
+    tail = [0, 1, 2, 3, 4, 5, 8, 9]
+    assert not prefix._packing_pays(policy, [r // 8 for r in tail], 20, _mask(lengths[tail], 64))
+    response_ids = torch.randint(3, 60, (32, 64), generator=gen) * _mask(lengths, 64)
+    args = (prompt_ids, prompt_mask, response_ids, _mask(lengths, 64))
+    plain = forward_logprobs(policy, *args)
+    calls: list[int] = []
+    packed = prefix._responses_packed
+    monkeypatch.setattr(prefix, "_responses_packed", lambda *a: calls.append(1) or packed(*a))
+    for layout, packed_calls in (("auto", 0), ("always", 1)):  # auto: on copies; always: packed
+        monkeypatch.setattr(prefix, "PACKING", layout)
+        prefix._CACHES.clear()
+        calls.clear()
+        for _ in range(2):  # nothing computed yet (one pass), then prompts computed (the two-level path)
+            shared = shared_logprobs(policy, *args, min_len=4, pad=0)
+            assert shared is not None and (shared - plain).abs().max() <= 1e-5
+        assert len(calls) == packed_calls
+
+
+def _mask(lengths: Tensor, width: int) -> Tensor:
+    return (torch.arange(width)[None, :] < lengths[:, None]).long()
 
 
 def _grads(module: torch.nn.Module, run: Callable[[], Any]) -> tuple[list[Tensor], list[Tensor]]:
