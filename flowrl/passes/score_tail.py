@@ -7,12 +7,12 @@ keeps each sample's KV cache), so when the last sample finishes only its last to
 Streaming finished samples alone leaves the tail's own forwards after generation: on the long-tail workload
 its slowest 20% of samples hold 44-52% of the response tokens. Same numbers as unfused (float rounding).
 
-Off by default because it measured slower on GRPO where this repo is measured (the 2-core CPU machine, one
-rank process per pool, `bench/passes_all.py`, the fused stage with it vs without it, 2026-11-24): long-tail
-GRPO 0.97x stage / 0.98x step, long-tail PPO 1.12x / 1.06x (an earlier session, on a slower machine: 0.83x /
-0.93x and 1.11x / 1.03x). Each incremental call costs the train process about what a chunk's does, which
-only pays where there is much forward work to hide (PPO's four forwards). It is for pools on separate
-devices, where the train pool idles while the tail decodes.
+Off by default because it measured slower where this repo is measured (the 2-core CPU machine, one rank
+process per pool, `bench/passes_all.py`, the fused stage with it vs without it, 2026-11-24): long-tail GRPO
+0.86x stage / 0.93x step, long-tail PPO 0.94x / 0.96x. Since the finished tail's chunks are scored on copies
+of their prompts' cache rather than packed rows (flowrl.engines.prefix), scoring them after they finish costs
+little, and each incremental call costs the train process about what a chunk's does. It is for pools on
+separate devices, where a decode step is slow and the train pool idles while the tail decodes.
 """
 
 from __future__ import annotations
