@@ -7,7 +7,10 @@ Fuses a rollout's `generate` node with the forwards over that rollout (reference
 of the batch under which the long tail moves to the fewest generation workers that hold it, when forwards
 are queued for the freed workers), `chunk_forwards` (which generating ranks run the chunk forwards placed on
 their own group) and `flush_steps` (the decode steps after which finished samples go out even if the chunk is
-not full, so the other group is not left idle in the long tail). At run time
+not full, so the other group is not left idle in the long tail). A forward of the generating model placed on
+another group (the policy's old log-probs on the train pool) gets `spill_to = <generation group>`: that group
+holds the same weights during the stage, so once a generation rank is done it takes the chunks still queued
+for that forward (RLHFuse: freed generation workers run the inference). At run time
 (`flowrl.runtime.streaming`) generation hands finished samples downstream in chunks, the forwards run on each
 chunk while the tail still decodes, and results are put back in sample order, so every number downstream is
 the one the unfused step computes.
@@ -71,6 +74,13 @@ def why_not_fuse(graph: Graph, gen: Node, forward: Node) -> str | None:
     return None
 
 
+def spills(gen: Node, forward: Node) -> bool:
+    """Whether generation ranks may take `forward`'s queued chunks once done: it runs the generating model on
+    another group, which holds the same weights during the stage (`why_not_fuse` refuses a forward behind an
+    update of its model, and split placement syncs every holder after each update)."""
+    return forward.model == gen.model and forward.worker_group != gen.worker_group
+
+
 def fusion_key(gen: Node) -> str:
     return f"gen-infer:{gen.id}"
 
@@ -118,7 +128,8 @@ def fuse_gen_inference(graph: Graph) -> tuple[Graph, list[str]]:
                                            flush_steps=flush, migrate_below=MIGRATE_BELOW,
                                            chunk_forwards=CHUNK_FORWARDS)
         for forward in fused:
-            rewritten[forward.id] = forward.with_attrs(fusion=key, fusion_kind="inter-stage")
+            spill = {"spill_to": gen.worker_group} if spills(gen, forward) else {}
+            rewritten[forward.id] = forward.with_attrs(fusion=key, fusion_kind="inter-stage", **spill)
         notes.append(_note(gen, fused, chunk, flush))
     return graph.with_nodes([rewritten.get(n.id, n) for n in graph.nodes]), notes
 
@@ -131,6 +142,10 @@ def _note(gen: Node, fused: list[Node], chunk: int, flush: int) -> str:
     note = (f"{gen.id}: streams chunks of {chunk} finished samples (or what finished within {flush} decode steps) to "
             + "; ".join(f"{', '.join(ids)} on worker group {g}" for g, ids in elsewhere.items())
             + f", which score them while {gen.worker_group} decodes")
+    spilled = [f.id for f in fused if spills(gen, f)]
+    if spilled:
+        note += (f"; once done generating, {gen.worker_group} takes the chunks still queued for "
+                 f"{', '.join(spilled)} (it holds the same {gen.model} weights)")
     here = [f.id for f in fused if f.worker_group == gen.worker_group]
     if here:
         note += (f"; {', '.join(here)} run on each generating rank between its decode steps ({CHUNK_FORWARDS}), the "

@@ -24,6 +24,10 @@ With `partial_below` on the generate node, once at most that fraction of a rank'
 the rank also hands over the unfinished samples' responses so far (`Growing`) every `flush_steps`; the other
 group scores their tokens as they come (`ModelWorker.score_growing`, keeping each sample's KV cache) and only
 the last tokens remain when a tail sample finishes, so the tail's own forwards run under its decoding too.
+A forward of the generating model placed elsewhere (`spill_to` = the generation group: the policy's old
+log-probs on the train pool) may also be taken by a generation rank once its own generation is over: chunks
+still queued for it go to whichever side is free first (`_claim`), as RLHFuse hands freed generation workers
+the inference of the tail. Both sides hold the same weights during the stage (synced after every update).
 """
 
 from __future__ import annotations
@@ -316,6 +320,14 @@ class GenInfer:
         if partial_of(self.attrs) <= 0 or not self.grows:
             self.grows, self.attrs["partial_below"] = set(), 0
         self.grown: set[int] = set()  # samples that went out while decoding
+        # Forwards a generation rank may take once its generation is over (`spill_to`, see the module docstring):
+        # their queued chunks, newest last, and the (node, chunk) pairs either side has claimed.
+        self.spills = {f.id for f in self.forwards
+                       if f.worker_group in self.other and f.attrs.get("spill_to") == gen.worker_group}
+        self.spillable: deque[tuple[Node, Batch]] = deque()
+        self.claimed: set[tuple[str, int]] = set()  # by id(chunk): every such chunk is kept in `spilled`
+        self.spilled: list[Batch] = []
+        self.taken = 0  # chunk forwards a generation rank took
         self.partials = 0
         self.stage = uuid.uuid4().hex  # keys the other groups' state of this stage's growing samples
 
@@ -349,6 +361,8 @@ class GenInfer:
             for node in self._here(cid):
                 self._forward(0, cid, node)
             t0 = time.perf_counter()
+        while (job := self._spill()) is not None:
+            self._take(0, *job)
 
     def _run_threads(self) -> None:
         events: queue.Queue[tuple[Any, ...]] = queue.Queue()
@@ -403,10 +417,15 @@ class GenInfer:
                     busy.add(dest)
                 self.exporting, held, tails = set(), set(), {}
             for r in range(self.ranks.world):
-                if r not in busy and r not in held and pending:
+                if r in busy or r in held:
+                    continue
+                if pending:
                     cid, node = pending.popleft()
                     busy.add(r)
                     jobs[r].put(("forward", cid, node))
+                elif r not in generating and (job := self._spill()) is not None:
+                    busy.add(r)
+                    jobs[r].put(("take", *job))
             with self.lock:
                 self.queued = len(pending)
 
@@ -427,6 +446,9 @@ class GenInfer:
                     with self.lock:  # before the event: a later trigger must not count these rows
                         self.remaining[rank] = 0
                     events.put(("stream_end", rank))
+                elif job[0] == "take":
+                    self._take(rank, job[1], job[2])
+                    events.put(("done", rank))
                 else:
                     self._forward(rank, job[1], job[2])
                     events.put(("done", rank))
@@ -448,8 +470,8 @@ class GenInfer:
             for w in work.values():
                 if failed is None:
                     try:
-                        if w.chunks:
-                            self._forward_elsewhere(w.node, concat(w.chunks))
+                        if chunks := self._claim(w.node, w.chunks):
+                            self._forward_elsewhere(w.node, concat(chunks))
                         if w.finals or w.live:
                             self._score_growing(w)
                     except BaseException as e:  # re-raised when the stage joins this thread
@@ -469,12 +491,49 @@ class GenInfer:
                 continue
             jobs = self.elsewhere[node.worker_group]
             if node.worker_group not in self.grows or not grown.any():
-                jobs.put(("chunk", node, chunk))
+                self._queue(jobs, node, chunk)
                 continue
             if not grown.all():
-                jobs.put(("chunk", node, chunk.select((~grown).nonzero().squeeze(1))))
+                self._queue(jobs, node, chunk.select((~grown).nonzero().squeeze(1)))
             jobs.put(("final", node, chunk.select(grown.nonzero().squeeze(1))))
         return [node for node in self.forwards if node.worker_group not in self.elsewhere]
+
+    def _queue(self, jobs: queue.SimpleQueue[tuple[str, Node, Batch] | None], node: Node, chunk: Batch) -> None:
+        """Queue finished samples for `node`'s group (and, for a `spill_to` forward, for a free generation rank)."""
+        if node.id in self.spills:
+            with self.lock:
+                self.spillable.append((node, chunk))
+                self.spilled.append(chunk)  # alive for the stage, so its id() names it
+        jobs.put(("chunk", node, chunk))
+
+    def _claim(self, node: Node, chunks: Sequence[Batch]) -> list[Batch]:
+        """The chunks of `node` nobody took yet, now taken by the caller (a `spill_to` forward's chunks can be
+        taken by its group or by a free generation rank: each runs exactly once)."""
+        if node.id not in self.spills:
+            return list(chunks)
+        with self.lock:
+            mine = [c for c in chunks if (node.id, id(c)) not in self.claimed]
+            self.claimed.update((node.id, id(c)) for c in mine)
+        return mine
+
+    def _spill(self) -> tuple[Node, Batch] | None:
+        """The newest queued chunk of a `spill_to` forward nobody took yet, claimed for a generation rank (the
+        other group works through its queue oldest first)."""
+        with self.lock:
+            while self.spillable:
+                node, chunk = self.spillable.pop()
+                if (node.id, id(chunk)) not in self.claimed:
+                    self.claimed.add((node.id, id(chunk)))
+                    return node, chunk
+        return None
+
+    def _take(self, rank: int, node: Node, chunk: Batch) -> None:
+        """Run a `spill_to` forward on a generation rank (it holds the same weights as `node`'s group)."""
+        t0 = time.perf_counter()
+        out = self.ranks.on_rank(rank, node.op, node.model, chunk, dict(node.attrs))
+        with self.lock:
+            self.taken += 1
+        self._result(node, out, chunk["sample"], t0, rank)
 
     def _grow(self, live: Batch) -> None:
         """Queue unfinished samples' responses so far for the groups that score them while they decode."""
@@ -603,6 +662,7 @@ class GenInfer:
         overlap = sum(max(0.0, min(t.end, gen_end) - t.start) for t in infer)
         metrics = {"fusion/chunks": float(len(self.chunks)), "fusion/migrated": float(self.migrated),
                    "fusion/inline_chunks": float(self.inlined), "fusion/grown": float(len(self.grown)),
+                   "fusion/taken": float(self.taken),
                    "fusion/partials": float(self.partials),
                    "fusion/workers": float(self.ranks.world), "fusion/gen_s": gen_end - start,
                    "fusion/infer_s": busy, "fusion/overlap_s": overlap,

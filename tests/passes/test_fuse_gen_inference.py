@@ -421,3 +421,58 @@ def test_process_groups_of_a_split_placement_sync_weights_and_stream_to_the_othe
                             for n in tail.nodes])  # samples cross the pipe as they grow
     for graph in (passes(split, "fuse-gen-inference"), tail, passes(split)):
         assert_same_numbers(run_steps(graph, steps=3, backend=ProcessBackend(1)), local)
+
+
+def _disaggregated(ppo: Callable[..., Graph]) -> Graph:
+    path = Path(ppo(n=4, batch=4).path)
+    path.write_text(path.read_text() + DISAGGREGATED)
+    return flowrl.dsl.load(path)
+
+
+def test_a_forward_of_the_generating_model_on_another_group_spills_to_it(ppo: Callable[..., Graph]) -> None:
+    """old_logp (the actor's) on the train pool may be taken by the rollout pool, which holds the same actor
+    weights, once it is done generating; the other models' forwards cannot; colocated with generation (SPLIT:
+    actor -> gen) it already runs on the generating ranks."""
+    g, notes = fuse_gen_inference(_disaggregated(ppo))
+    assert {n.id: n.attrs.get("spill_to") for n in g.nodes if n.id in FUSED[1:]} == \
+        {"old_logp": "rollout", "ref_logp": None, "values": None, "scores": None}
+    assert notes[0].endswith("; once done generating, rollout takes the chunks still queued for old_logp (it holds "
+                             "the same actor weights)")
+    split, _ = fuse_gen_inference(ppo(n=4, batch=4, placement=SPLIT))
+    assert not any("spill_to" in n.attrs for n in split.nodes)
+    assert fuse_gen_inference(g)[0] == g
+
+
+class _SlowTrain(LocalBackend):
+    """The local backend with the disaggregated pools, where each forward of the train pool takes 0.3 s more:
+    chunks of old_logp queue up while generation goes on, and the rollout pool, once done, takes them. The
+    rollout pool streams from a thread per rank (`on_rank`) or, a plain in-process group, on the stage's own
+    thread between its chunks."""
+
+    def __init__(self, threads: bool):
+        self.threads = threads
+
+    def start(self, graph: Graph, *, seed: int, device: str) -> dict[str, Any]:
+        groups = super().start(graph, seed=seed, device=device)
+        rollout = _Streams(groups["rollout"], threading.Event()) if self.threads else groups["rollout"]
+        return {"rollout": rollout, "train": _Slow(groups["train"])}
+
+
+class _Slow:
+    def __init__(self, inner: Any):
+        self.inner, self.name, self.world = inner, inner.name, 1
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        if method in ("logprobs", "values", "score"):
+            threading.Event().wait(0.3)
+        return self.inner.call(method, *args, **kwargs)
+
+
+@pytest.mark.parametrize("threads", [True, False], ids=["rank-threads", "in-process"])
+def test_the_generation_pool_takes_queued_chunks_of_its_model_with_the_same_numbers(
+        ppo: Callable[..., Graph], threads: bool) -> None:
+    split = _disaggregated(ppo)
+    on = run_steps(passes(split, "fuse-gen-inference"), steps=2, backend=_SlowTrain(threads))
+    assert all("fusion/fallback" not in r.metrics for r in on)
+    assert all(r.metrics["fusion/chunks"] >= 3 and r.metrics["fusion/taken"] >= 1 for r in on)
+    assert_same_numbers(on, run_steps(passes(split), steps=2))
