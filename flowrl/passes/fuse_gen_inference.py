@@ -32,8 +32,8 @@ MIN_CHUNK = 4  # samples: smaller forwards cost more per sample than they overla
 CHUNK_FORWARDS = "own-rank"
 # Colocated stages (generation and every forward on one worker group) are not fused: chunked forwards on the
 # generating ranks overlap nothing. Measured on this repo's 2-core CPU machine (bench/passes_all.py, 2026-11-24,
-# lockstep against unfused, long-tail GRPO / PPO, forced): 1 worker 1.03x / 1.05x per step (the chunks' forwards
-# are cheaper than one padded whole-batch forward, not overlapped), 2 rank processes 0.95x / 0.97x.
+# lockstep against unfused, long-tail GRPO / PPO, forced): 1 worker 1.03x / 1.08x per step (the chunks' forwards
+# are cheaper than one padded whole-batch forward, not overlapped), 2 rank processes 0.94x / 0.99x.
 # The runtime still runs colocated fused stages (tests and hand-written graphs), migration included.
 # Forwards on another worker group (split placement) get finished samples at least this often (decode steps):
 # in the tail samples finish a few at a time, and without it the last chunk's forwards all start after the last

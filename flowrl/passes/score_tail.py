@@ -9,7 +9,7 @@ its slowest 20% of samples hold 44-52% of the response tokens. Same numbers as u
 
 Off by default because it measured slower where this repo is measured (the 2-core CPU machine, one rank
 process per pool, `bench/passes_all.py`, the fused stage with it vs without it, 2026-11-24): long-tail GRPO
-0.86x stage / 0.93x step, long-tail PPO 0.94x / 0.96x. Since the finished tail's chunks are scored on copies
+0.82x stage / 0.91x step, long-tail PPO 0.79x / 0.90x. Since the finished tail's chunks are scored on copies
 of their prompts' cache rather than packed rows (flowrl.engines.prefix), scoring them after they finish costs
 little, and each incremental call costs the train process about what a chunk's does. It is for pools on
 separate devices, where a decode step is slow and the train pool idles while the tail decodes.
