@@ -29,7 +29,7 @@ from flowrl.backends.ray import dispatch
 from flowrl.backends.ray.actor import RankActor
 from flowrl.errors import FlowError
 from flowrl.ir.graph import ModelDecl
-from flowrl.runtime.streaming import STREAMS
+from flowrl.runtime.chunks import STREAMS
 
 if TYPE_CHECKING:
     from flowrl.backends.ray.sync import WeightSync

@@ -30,9 +30,9 @@ import torch
 from flowrl.engines.streaming import StreamControl
 from flowrl.engines.training import merge_ranks
 from flowrl.ir.graph import Graph, ModelDecl
+from flowrl.runtime.chunks import STREAMS
 from flowrl.runtime.protocol import Done, Future, WorkerGroup
 from flowrl.runtime.ranks import SPLIT, split_call
-from flowrl.runtime.streaming import STREAMS
 from flowrl.runtime.worker import ModelWorker
 
 

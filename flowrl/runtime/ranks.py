@@ -18,9 +18,9 @@ import torch
 
 from flowrl.ir.graph import Graph
 from flowrl.runtime.batch import Batch
+from flowrl.runtime.chunks import assemble, rank_seed
 from flowrl.runtime.protocol import Done, Future, WorkerGroup
 from flowrl.runtime.schedule import torch_threads
-from flowrl.runtime.streaming import assemble, rank_seed
 from flowrl.runtime.worker import ModelWorker, group_state, load_group_state
 
 SPLIT = ("generate", "logprobs", "values", "score")

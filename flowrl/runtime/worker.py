@@ -22,8 +22,7 @@ from flowrl.engines.training import all_reduce_sum, data_parallel_world
 from flowrl.ir.graph import ModelDecl
 from flowrl.models.build import LoadedModel, ModelSpec, build_model, copy_backbone
 from flowrl.runtime.batch import Batch
-from flowrl.runtime.schedule import Turn, interleave, taking_turns
-from flowrl.runtime.streaming import (
+from flowrl.runtime.chunks import (
     ChunkForward,
     Growing,
     Scored,
@@ -34,6 +33,7 @@ from flowrl.runtime.streaming import (
     sampling_of,
     score_chunks,
 )
+from flowrl.runtime.schedule import Turn, interleave, taking_turns
 
 ROLLOUT_KEYS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "temperature")
 

@@ -19,8 +19,8 @@ from flowrl.models.build import ModelSpec, build_model
 from flowrl.models.tokenizer import ByteTokenizer
 from flowrl.passes.fuse_gen_inference import fuse_gen_inference
 from flowrl.runtime.batch import Batch
+from flowrl.runtime.chunks import assemble
 from flowrl.runtime.ranks import ThreadedLocalBackend
-from flowrl.runtime.streaming import assemble
 
 from .conftest import MODEL, SPLIT, assert_same_numbers, passes, run_steps
 

@@ -84,7 +84,7 @@ def test_a_tail_exported_by_one_ray_rank_resumes_on_another_with_the_same_sample
     from flowrl.backends.ray import RayBackend
     from flowrl.engines.streaming import Tail
     from flowrl.runtime.batch import Batch
-    from flowrl.runtime.streaming import assemble
+    from flowrl.runtime.chunks import assemble
 
     graph = flowrl.compile_flow(flow_text(max_tokens=40, replicas=2, placement=PLACED), "/flows/tiny_grpo.flow")
     attrs = dict(graph.node("rollout").attrs)
