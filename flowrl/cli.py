@@ -7,6 +7,7 @@ Python traceback for a mistake in a flow, data file or reward function.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import textwrap
 import traceback
@@ -211,12 +212,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("flowrl: interrupted (checkpoints written so far are kept; continue with --resume)", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `flowrl run ... 2>&1 | head`: the reader is gone; stop as Unix tools do
+        _closed_output()
+        return 141  # 128 + SIGPIPE
     except Exception as e:  # a flowrl bug: say so plainly, keep the details in a file rather than the screen
         log = Path.cwd() / "flowrl-crash.log"
         log.write_text(traceback.format_exc(), encoding="utf-8")
         print(f"flowrl: internal error: {type(e).__name__}: {e}\n(details in {log}; please report it)",
               file=sys.stderr)
         return 2
+
+
+def _closed_output() -> None:
+    """Say why the run stopped where that can still be read, then point stdout and stderr at /dev/null so the
+    interpreter's last flush does not fail again on the closed pipe."""
+    try:
+        print("flowrl: output closed; stopped (checkpoints written so far are kept; continue with --resume)",
+              file=sys.stderr, flush=True)
+    except OSError:
+        pass
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            os.dup2(devnull, stream.fileno())
+        except (OSError, ValueError):  # not a real file (captured in tests): nothing to flush into a pipe
+            pass
 
 
 if __name__ == "__main__":

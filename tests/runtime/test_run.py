@@ -214,3 +214,22 @@ def test_the_scripting_api_runs_the_default_passes_like_the_cli(tmp_path: Path) 
     assert "on-policy-logp" not in [p.name for p in flowrl.load(path, no_pass=["on-policy-logp"]).passes]
     with pytest.raises(FlowError, match="unknown pass 'nope'"):
         flowrl.load(path, no_pass=["nope"])
+
+
+def test_a_closed_output_pipe_stops_the_run_quietly(tmp_path: Path) -> None:
+    """`flowrl run x.flow 2>&1 | head`: once the reader is gone, the run stops with SIGPIPE's status (141), no
+    'internal error' or crash log, and what it wrote so far is kept."""
+    import subprocess
+    import sys
+
+    flow, out = write_flow(tmp_path), tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "flowrl", "run", str(flow), "--out", str(out), "--steps", "2000",
+                             "--set", "run.log_every=1", "--set", "run.checkpoint_every=1"],
+                            cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    assert proc.stderr is not None
+    first = proc.stderr.readline()
+    proc.stderr.close()  # the reader leaves after one line
+    assert proc.wait(timeout=300) == 141, first
+    assert first.startswith(b"step 1/2000")
+    assert not (tmp_path / "flowrl-crash.log").exists()
+    assert (out / "metrics.jsonl").read_text().strip()  # the steps it ran are on disk
