@@ -22,7 +22,7 @@ from __future__ import annotations
 import threading
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -171,13 +171,18 @@ def _run_lengths(response_mask: Tensor) -> Tensor:
     return (lens - 1).clamp(min=0, max=width)
 
 
-def _packed_width(row_prompt: Sequence[int], response_mask: Tensor) -> int:
-    """The longest packed row `_packing` would build for these rows: the tokens of a prompt's samples."""
+def _packed_rows(row_prompt: Sequence[int], response_mask: Tensor) -> dict[int, int]:
+    """The packed rows `_packing` would build for these rows: unique prompt -> the tokens of its samples."""
     runs = _run_lengths(response_mask).tolist()
     per: dict[int, int] = {}
     for u, n in zip(row_prompt, runs, strict=True):
         per[u] = per.get(u, 0) + n
-    return max(per.values(), default=0)
+    return per
+
+
+def _packed_width(row_prompt: Sequence[int], response_mask: Tensor) -> int:
+    """The longest packed row `_packing` would build for these rows: the tokens of a prompt's samples."""
+    return max(_packed_rows(row_prompt, response_mask).values(), default=0)
 
 
 def _packing(prompts: Tensor, response_ids: Tensor, response_mask: Tensor) -> _Packing:
@@ -347,9 +352,10 @@ def _shared(module: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, response
     out = torch.zeros(response_ids.shape, dtype=torch.float32, device=device)  # (N, T)
     row_prompt = torch.tensor(plan.row_prompt, device=device)
     packed = _attention(module) in PACKABLE and response_ids.shape[1] > 1
-    packed = packed and _packed_width(plan.row_prompt, response_mask) <= PACK_LIMIT
-    packed = packed and (PACKING == "always" or _packing_pays(module, plan.row_prompt, prompt_ids.shape[1],
-                                                              response_mask))
+    if packed:
+        per_prompt = _packed_rows(plan.row_prompt, response_mask)
+        packed = max(per_prompt.values(), default=0) <= PACK_LIMIT and (
+            PACKING == "always" or _packing_pays(module, per_prompt, prompt_ids.shape[1], response_mask.shape))
     with torch.inference_mode():
         if packed and not plan.groups and not cached:  # nothing to reuse: prompts and responses in one call
             for rows in _row_chunks(plan.row_prompt, micro_batch):
@@ -368,7 +374,8 @@ def _shared(module: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, response
     return out
 
 
-def _packing_pays(module: nn.Module, row_prompt: Sequence[int], prompt_width: int, response_mask: Tensor) -> bool:
+def _packing_pays(module: nn.Module, packed_rows: Mapping[int, int], prompt_width: int,
+                  response_shape: Sequence[int]) -> bool:
     """Whether packed rows cost less than running each sample on a copy of its prompt's cache. Packed, a
     prompt's samples run as one row and the rows are padded to the longest (U' x q tokens, each attending up to
     P + q places); on copies, every sample runs padded to the longest response (N x (T - 1) tokens, P + T - 1
@@ -378,12 +385,8 @@ def _packing_pays(module: nn.Module, row_prompt: Sequence[int], prompt_width: in
     the copies saved. Measured (CPU, one thread): 20 tail samples of a long-tail batch 30.7 ms packed vs 15.9 ms
     on copies; the whole batch of 128, 58 ms vs 120 ms; 8 prompts of 65 tokens x 8 samples of 16, 0.190 s vs
     0.225 s for the four forwards of bench/passes_share_prefix.py."""
-    runs = _run_lengths(response_mask).tolist()
-    per: dict[int, int] = {}
-    for u, n in zip(row_prompt, runs, strict=True):
-        per[u] = per.get(u, 0) + n
-    units, q = len(per), max(per.values(), default=0)
-    rows, width = response_mask.shape[0], response_mask.shape[1] - 1
+    units, q = len(packed_rows), max(packed_rows.values(), default=0)
+    rows, width = response_shape[0], response_shape[1] - 1
     lm: Any = module.backbone if isinstance(module, ValueModel) else module
     per_place = 1.0 / (6 * max(1, int(getattr(lm.config, "hidden_size", 0) or 768)))  # 4d / 24d^2
 

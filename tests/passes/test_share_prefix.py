@@ -165,11 +165,11 @@ def test_packing_is_chosen_where_it_costs_less_with_the_same_numbers(monkeypatch
     prompt_mask = torch.ones_like(prompt_ids)
     lengths = torch.full((32,), 3)
     rows = list(range(32))
-    assert prefix._packing_pays(policy, [r // 8 for r in rows], 20, _mask(lengths, 64))  # 4 rows of 24
+    assert _pays(policy, [r // 8 for r in rows], _mask(lengths, 64))  # 4 rows of 24
     lengths[[0, 1, 2, 3, 4, 5, 8, 9]] = 64
-    assert not prefix._packing_pays(policy, [r // 8 for r in rows], 20, _mask(lengths, 64))  # a row of 381
+    assert not _pays(policy, [r // 8 for r in rows], _mask(lengths, 64))  # a row of 381
     tail = [0, 1, 2, 3, 4, 5, 8, 9]
-    assert not prefix._packing_pays(policy, [r // 8 for r in tail], 20, _mask(lengths[tail], 64))
+    assert not _pays(policy, [r // 8 for r in tail], _mask(lengths[tail], 64))
     response_ids = torch.randint(3, 60, (32, 64), generator=gen) * _mask(lengths, 64)
     args = (prompt_ids, prompt_mask, response_ids, _mask(lengths, 64))
     plain = forward_logprobs(policy, *args)
@@ -184,6 +184,10 @@ def test_packing_is_chosen_where_it_costs_less_with_the_same_numbers(monkeypatch
             shared = shared_logprobs(policy, *args, min_len=4, pad=0)
             assert shared is not None and (shared - plain).abs().max() <= 1e-5
         assert len(calls) == packed_calls
+
+
+def _pays(policy: torch.nn.Module, row_prompt: list[int], mask: Tensor) -> bool:
+    return prefix._packing_pays(policy, prefix._packed_rows(row_prompt, mask), 20, mask.shape)  # prompts of 20
 
 
 def _mask(lengths: Tensor, width: int) -> Tensor:
