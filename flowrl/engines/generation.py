@@ -91,9 +91,10 @@ def generate(
     live: Tensor | None = None  # current batch row -> output row; None while it is the identity
     done = torch.zeros(rows, dtype=torch.bool, device=dev)
 
+    kv = cache_kw(module, cache)  # the same cache, updated in place, for every step
     with torch.inference_mode():
         out = module(input_ids=run_ids, attention_mask=run_mask, position_ids=positions_from_mask(run_mask),
-                     use_cache=True, logits_to_keep=1, **cache_kw(module, cache))  # fmt: skip
+                     use_cache=True, logits_to_keep=1, **kv)  # fmt: skip
         logits = out.logits[:, -1].float()  # (B or N, V)
         if share:
             logits = logits.repeat_interleave(n, dim=0)  # (N, V)
@@ -117,7 +118,7 @@ def generate(
                 live = keep if live is None else live[keep]
                 done, tok, attn, next_pos = done[keep], tok[keep], attn[keep], next_pos[keep]
             out = module(input_ids=tok[:, None], attention_mask=attn[:, : width + t + 1],
-                         position_ids=next_pos + t, use_cache=True, **cache_kw(module, cache))  # fmt: skip
+                         position_ids=next_pos + t, use_cache=True, **kv)  # fmt: skip
             logits = out.logits[:, -1].float()  # (rows_now, V)
 
     lens = out_mask.sum(dim=1)  # (N,)

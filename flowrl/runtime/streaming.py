@@ -192,12 +192,12 @@ class GenInfer:
             self.grows, self.attrs["partial_below"] = set(), 0
         self.grown: set[int] = set()  # samples that went out while decoding
         # Forwards a generation rank may take once its generation is over (`spill_to`, see the module docstring):
-        # their queued chunks, newest last, and the (node, chunk) pairs either side has claimed.
+        # their queued chunks, newest last, and the chunks either side has claimed, by (node, id(chunk)): a chunk is
+        # held by `spillable` until claimed, then by `claimed`, so its id() names it for the whole stage.
         self.spills = {f.id for f in self.forwards
                        if f.worker_group in self.other and f.attrs.get("spill_to") == gen.worker_group}
         self.spillable: deque[tuple[Node, Batch]] = deque()
-        self.claimed: set[tuple[str, int]] = set()  # by id(chunk): every such chunk is kept in `spilled`
-        self.spilled: list[Batch] = []
+        self.claimed: dict[tuple[str, int], Batch] = {}
         self.taken = 0  # chunk forwards a generation rank took
         self.partials = 0
         self.stage = uuid.uuid4().hex  # keys the other groups' state of this stage's growing samples
@@ -374,7 +374,6 @@ class GenInfer:
         if node.id in self.spills:
             with self.lock:
                 self.spillable.append((node, chunk))
-                self.spilled.append(chunk)  # alive for the stage, so its id() names it
         jobs.put(("chunk", node, chunk))
 
     def _claim(self, node: Node, chunks: Sequence[Batch]) -> list[Batch]:
@@ -384,7 +383,7 @@ class GenInfer:
             return list(chunks)
         with self.lock:
             mine = [c for c in chunks if (node.id, id(c)) not in self.claimed]
-            self.claimed.update((node.id, id(c)) for c in mine)
+            self.claimed.update(((node.id, id(c)), c) for c in mine)
         return mine
 
     def _spill(self) -> tuple[Node, Batch] | None:
@@ -394,7 +393,7 @@ class GenInfer:
             while self.spillable:
                 node, chunk = self.spillable.pop()
                 if (node.id, id(chunk)) not in self.claimed:
-                    self.claimed.add((node.id, id(chunk)))
+                    self.claimed[(node.id, id(chunk))] = chunk
                     return node, chunk
         return None
 
