@@ -19,14 +19,14 @@ import torch
 from passes_common import ROOT, make_side
 
 from flowrl.backends.local import LocalBackend
-from flowrl.cli import compile_file
+from flowrl.compiler import compile_file
 from flowrl.engines import prefix
 from flowrl.runtime.controller import _prompt_batch
 
 
 def _worker() -> tuple[Any, Any, Any]:
     torch.set_num_threads(1)
-    graph = compile_file(str(ROOT / "examples" / "longtail_grpo.flow"), [])
+    graph = compile_file(str(ROOT / "examples" / "longtail_grpo.flow"))
     side = make_side("x", graph, LocalBackend())
     side.ctl.step(1)
     group = side.ctl.groups[graph.node("rollout").worker_group]

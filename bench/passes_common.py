@@ -25,10 +25,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from flowrl.cli import compile_file  # noqa: E402
+from flowrl.compiler import compile_file, parse_sets  # noqa: E402
 from flowrl.ir.graph import Graph  # noqa: E402
 from flowrl.runtime.controller import Controller, StepResult  # noqa: E402
-from flowrl.runtime.runner import _loaders, _rewards  # noqa: E402
+from flowrl.runtime.runner import loaders_of, rewards_of  # noqa: E402
 
 
 @dataclass
@@ -46,7 +46,7 @@ class Side:
 def make_side(name: str, graph: Graph, backend: Any, seed: int = 0) -> Side:
     torch.manual_seed(seed)
     groups = backend.start(graph, seed=seed, device="cpu")
-    ctl = Controller(graph, groups, _loaders(graph, seed), _rewards(graph), seed=seed,
+    ctl = Controller(graph, groups, loaders_of(graph, seed), rewards_of(graph), seed=seed,
                      after_update=getattr(backend, "after_update", None))  # split placement's weight sync
     return Side(name, graph, ctl, backend)
 
@@ -118,7 +118,7 @@ def lockstep(on: Side, off: Side, stage: Sequence[str], steps: int, warmup: int 
 
 
 def compile_pair(flow: str, sets: Sequence[str], pass_name: str) -> tuple[Graph, Graph]:
-    return compile_file(flow, sets), compile_file(flow, sets, no_pass=[pass_name])
+    return compile_file(flow, parse_sets(sets)), compile_file(flow, parse_sets(sets), no_pass=[pass_name])
 
 
 def cli(description: str, only: bool = False) -> argparse.Namespace:

@@ -4,7 +4,7 @@
 
 split, 2 workers: the examples as written, with LANGUAGE.md's placement (generation on pool `rollout`; the
 actor's other methods, the reference and, for PPO, critic and reward model on pool `train`: the disaggregated
-layout of OpenRLHF and RLHFuse), one spawned rank process per pool (`flowrl.runtime.procs.ProcessBackend(1)`,
+layout of OpenRLHF and RLHFuse), one spawned rank process per pool (`flowrl.backends.process.ProcessBackend(1)`,
 one torch thread each), the new actor weights sent to the rollout pool after each update. Unfused, each pool
 idles while the other works; fused, the train pool scores chunks while the rollout pool is still decoding.
 
@@ -28,11 +28,11 @@ from typing import Any
 
 from passes_common import ROOT, cli, compile_pair, fmt, lockstep, make_side, save
 
-from flowrl.cli import compile_file
+from flowrl.backends.process import ProcessBackend
+from flowrl.compiler import compile_file
 from flowrl.ir.graph import Graph
 from flowrl.passes.common import forwards_over
 from flowrl.passes.fuse_gen_inference import CHUNK_FORWARDS, MIGRATE_BELOW, chunk_size, fusion_key
-from flowrl.runtime.procs import ProcessBackend
 
 FLOWS = {  # flow -> the nodes of the fused stage
     "longtail_grpo": ("rollout", "old_logp", "ref_logp"),

@@ -21,7 +21,7 @@ from typing import Any
 from passes_common import cli, fmt, lockstep, make_side, save, stage_time
 
 from flowrl.backends.local import LocalBackend
-from flowrl.cli import compile_file
+from flowrl.compiler import compile_file
 
 FLOW = """
 flow share_prefix_bench

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from flowrl.ir.graph import ModelDecl, Node, PoolDecl, Range, WorkerGroup
+from flowrl.ir.graph import GroupDecl, ModelDecl, Node, PoolDecl, Range
 from flowrl.ir.signatures import METHODS
 
 from . import ast
@@ -41,7 +41,7 @@ class Placer:
         self.replicas_at = replicas_at
 
     def place(self, decls: Sequence[ast.PlacementDecl], src: Source, nodes: Sequence[Node]
-              ) -> tuple[tuple[PoolDecl, ...], tuple[WorkerGroup, ...], list[Node]]:
+              ) -> tuple[tuple[PoolDecl, ...], tuple[GroupDecl, ...], list[Node]]:
         for extra in decls[1:]:
             self.rep.error(src, "a flow has at most one `placement` block", extra,
                            hint=f"merge it into the one on line {decls[0].line}")
@@ -78,7 +78,7 @@ class Placer:
         placed = [replace(n, worker_group=group_of(n.model, n.method)) if n.model else n for n in nodes]
         return pools, groups, placed
 
-    def _group(self, name: str, models: list[str], pool: str | None) -> WorkerGroup:
+    def _group(self, name: str, models: list[str], pool: str | None) -> GroupDecl:
         """Colocated models share ranks, so they must agree on `replicas` (1 is the default and yields)."""
         chosen: tuple[str, int | str | Range] | None = None
         for m in models:
@@ -94,7 +94,7 @@ class Placer:
                                            f"`{chosen[0]}` has {chosen[1]}, `{m}` has {r}", at.where,
                                    hint="give them the same `replicas`, or pin them to different pools "
                                         "in a `placement { }` block")
-        return WorkerGroup(name, tuple(models), pool, chosen[1] if chosen else 1)
+        return GroupDecl(name, tuple(models), pool, chosen[1] if chosen else 1)
 
     def _pools(self, decl: ast.PlacementDecl, src: Source) -> tuple[PoolDecl, ...]:
         out: dict[str, PoolDecl] = {}

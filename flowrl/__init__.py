@@ -14,6 +14,7 @@ from flowrl.registry import function, reward
 
 if TYPE_CHECKING:
     from flowrl.ir.graph import Graph
+    from flowrl.runtime.protocol import Backend
     from flowrl.runtime.runner import RunResult
 
 __version__ = "0.1.0"
@@ -23,36 +24,28 @@ def load(path: str, overrides: dict[str, str] | None = None, *, passes: bool = T
          no_pass: Sequence[str] = ()) -> Graph:
     """Parse, check and lower a `.flow` file, then run the default passes but `no_pass` (what `flowrl run`
     executes; `passes=False` returns the graph as written). Raises FlowError with every diagnostic of the file."""
-    from flowrl.dsl import load as _load
+    from flowrl.compiler import compile_file
 
-    return _optimize(_load(path, overrides=overrides), passes, no_pass)
+    return compile_file(path, overrides, passes=None if passes else [], no_pass=no_pass)
 
 
 def compile_flow(text: str, path: str = "<string>", overrides: dict[str, str] | None = None, *,
                  passes: bool = True, no_pass: Sequence[str] = ()) -> Graph:
     """Like `load`, from text; `path` is used in diagnostics and to resolve relative data paths."""
-    from flowrl.dsl import compile_flow as _compile
+    from flowrl.compiler import compile_text
 
-    return _optimize(_compile(text, path=path, overrides=overrides), passes, no_pass)
-
-
-def _optimize(graph: Graph, passes: bool, no_pass: Sequence[str]) -> Graph:
-    if not passes:
-        return graph
-    from flowrl.passes import PassSelectionError, run_passes, select
-
-    try:
-        chosen = select(None, list(no_pass))
-    except PassSelectionError as e:
-        raise FlowError(str(e)) from None
-    return run_passes(graph, chosen)
+    return compile_text(text, path, overrides, passes=None if passes else [], no_pass=no_pass)
 
 
-def run(graph: Graph, **kwargs: Any) -> RunResult:
-    """Train a compiled graph; see `flowrl.runtime.runner.run` for the options."""
+def run(graph: Graph, *, backend: str | Backend = "local", backend_options: dict[str, Any] | None = None,
+        **kwargs: Any) -> RunResult:
+    """Train a compiled graph on `backend` (a name from `flowrl.backends.names()`, made with `backend_options`,
+    or a Backend not started yet); see `flowrl.runtime.runner.run` for the other options."""
+    from flowrl import backends
     from flowrl.runtime.runner import run as _run
 
-    return _run(graph, **kwargs)
+    be = backends.make(backend, **(backend_options or {})) if isinstance(backend, str) else backend
+    return _run(graph, backend=be, **kwargs)
 
 
 __all__ = ["DataError", "Diagnostic", "ExecutionError", "FlowError", "RewardError", "compile_flow",

@@ -13,9 +13,14 @@ import textwrap
 import traceback
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
-from flowrl.errors import FlowError
+from flowrl.backends import entries as backend_entries
+from flowrl.backends import names as backend_names
+from flowrl.errors import Diagnostic, FlowError
+
+if TYPE_CHECKING:
+    from flowrl.ir.graph import Graph
 
 
 def _fmt(text: str) -> str:
@@ -59,7 +64,9 @@ def _parser() -> argparse.ArgumentParser:
     c = verb("run", "Train: run a flow for some steps and write a run directory.",
              "flowrl run examples/grpo_arith.flow --steps 60 --set actor.lr=3e-3 --out runs/grpo")
     c.add_argument("file", metavar="FILE")
-    c.add_argument("--backend", default="local", choices=["local", "ray"])
+    c.add_argument("--backend", default="local", choices=backend_names(),
+                   help="where it runs: " + "; ".join(f"{e.name}: {e.help}" for e in backend_entries().values())
+                        + " (ranks per group: each model's `replicas`, e.g. --set actor.replicas=2)")
     c.add_argument("--address", default=None, help="Ray cluster address (ray backend); default: start one")
     c.add_argument("--steps", type=int, default=None)
     c.add_argument("--seed", type=int, default=None)
@@ -91,32 +98,16 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _overrides(items: Sequence[str]) -> dict[str, str]:
-    out: dict[str, str] = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise FlowError(f"--set expects KEY=VALUE, got '{item}'")
-        out[key.strip()] = value.strip()
-    return out
+def compile_args(args: argparse.Namespace) -> Graph:
+    """The graph `flowrl compile` / `flowrl run` build from their FILE, --set and pass options."""
+    from flowrl.compiler import compile_file, parse_sets
+
+    passes = [p for p in args.passes.split(",") if p] if args.passes is not None else None
+    return compile_file(args.file, parse_sets(args.set), passes=passes, no_pass=args.no_pass,
+                        with_pass=args.with_pass)
 
 
-def compile_file(path: str, sets: Sequence[str] = (), passes: str | None = None,
-                 no_pass: Sequence[str] = (), with_pass: Sequence[str] = ()) -> Any:
-    """Load a flow file, apply overrides, run the selected passes."""
-    from flowrl.dsl import load
-    from flowrl.passes import PassSelectionError, run_passes, select
-
-    graph = load(path, overrides=_overrides(sets))
-    try:
-        chosen = select([p for p in passes.split(",") if p] if passes is not None else None, list(no_pass),
-                        list(with_pass))
-    except PassSelectionError as e:
-        raise FlowError(str(e)) from None
-    return run_passes(graph, chosen)
-
-
-def _explain(graph: Any) -> str:
+def _explain(graph: Graph) -> str:
     from flowrl.passes import REGISTRY
 
     docs = {p.name: p.doc for p in REGISTRY}
@@ -145,7 +136,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 def cmd_compile(args: argparse.Namespace) -> int:
     from flowrl.ir import to_json_text, to_text
 
-    graph = compile_file(args.file, args.set, args.passes, args.no_pass, args.with_pass)
+    graph = compile_args(args)
     print(to_json_text(graph) if args.json else to_text(graph), end="\n" if args.json else "")
     if args.explain:
         print(_explain(graph), file=sys.stderr if args.json else sys.stdout)
@@ -165,16 +156,23 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    import flowrl
+    from flowrl import backends
     from flowrl.runtime.progress import Progress
-    from flowrl.runtime.runner import run
 
-    graph = compile_file(args.file, args.set, args.passes, args.no_pass, args.with_pass)
+    graph = compile_args(args)
     out = Path(args.out or Path("runs") / graph.flow)
-    total = args.steps if args.steps is not None else int(graph.run.get("steps", 100))
-    options = {"address": args.address, "log_dir": str(out / "ray")} if args.backend == "ray" else None
-    with Progress(total, enabled=not args.quiet, every=int(graph.run.get("log_every", 10) or 10)) as bar:
-        result = run(graph, out_dir=out, backend=args.backend, steps=args.steps, seed=args.seed,
-                     resume=args.resume, overwrite=args.overwrite, device=args.device, on_step=bar.update, backend_options=options)
+    total = args.steps if args.steps is not None else int(str(graph.run.get("steps", 100)))
+    takes = backends.entries()[args.backend].options
+    if args.address is not None and "address" not in takes:
+        raise FlowError(Diagnostic(f"--address is for a backend on a cluster; the {args.backend} backend runs here",
+                                   hint="use --backend ray --address HOST:PORT"))
+    offered = {"address": args.address, "log_dir": str(out / args.backend)}
+    options = {k: v for k, v in offered.items() if k in takes}
+    with Progress(total, enabled=not args.quiet, every=int(str(graph.run.get("log_every", 10) or 10))) as bar:
+        result = flowrl.run(graph, out_dir=out, backend=args.backend, backend_options=options, steps=args.steps,
+                            seed=args.seed, resume=args.resume, overwrite=args.overwrite, device=args.device,
+                            on_step=bar.update)
     last = result.metrics[-5:]
     if last:
         mean = sum(r.get("reward_mean", 0.0) for r in last) / len(last)

@@ -1,5 +1,6 @@
 """The local backend: every worker group is in-process (the embedded default)."""
 
-from flowrl.backends.local.backend import LocalBackend, LocalWorkerGroup
+from flowrl.backends.local.backend import LocalBackend, in_process_groups
+from flowrl.backends.local.group import InProcessGroup
 
-__all__ = ["LocalBackend", "LocalWorkerGroup"]
+__all__ = ["InProcessGroup", "LocalBackend", "in_process_groups"]

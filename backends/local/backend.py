@@ -1,53 +1,42 @@
-"""The local backend: worker groups are in-process `ModelWorker`s; calls run synchronously in order."""
+"""The local backend (the embedded default): every worker group is one in-process rank; calls run in order."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
+from flowrl.backends.local.group import InProcessGroup
 from flowrl.ir.graph import Graph
-from flowrl.runtime.protocol import Done, Future, WorkerGroup
-from flowrl.runtime.worker import ModelWorker, group_state, load_group_state
+from flowrl.runtime.protocol import WorkerGroup
+from flowrl.runtime.worker import ModelWorker
 
 
-class LocalWorkerGroup:
-    """One rank, in this process, so every dispatch mode is a single call. A model placed in several groups
-    (split placement) is built once and shared: the in-process equivalent of weight sync."""
-
-    in_process = True  # runs in the controller's process: no worker beside another (see runtime.fusion)
-
-    def __init__(self, name: str, workers: Mapping[str, ModelWorker]):
-        self.name, self.world = name, 1
-        self.workers = dict(workers)  # model name -> the worker holding it
-
-    def call(self, method: str, *args: Any, dispatch: str = "split", **kwargs: Any) -> Future:
-        model = args[0] if args else None
-        worker = self.workers[model] if isinstance(model, str) else next(iter(self.workers.values()))
-        try:
-            return Done(getattr(worker, method)(*args, **kwargs))
-        except Exception as e:  # surfaced at result(), like a remote call's error
-            return Done(error=e)
-
-    def state_dict(self) -> dict[str, Any]:
-        return group_state(self.workers)
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        load_group_state(self.workers, state)
+def in_process_groups(graph: Graph, *, seed: int, device: str,
+                      pool_of: Callable[[str, int], ThreadPoolExecutor | None],
+                      world_of: Callable[[int], int]) -> list[InProcessGroup]:
+    """One group per worker group of `graph`; a model in several groups is built once and shared."""
+    built: dict[str, ModelWorker] = {}
+    groups = []
+    for wg in graph.worker_groups:
+        fresh = [graph.model(m) for m in wg.models if m not in built]
+        if fresh:
+            worker = ModelWorker(fresh, graph.models, seed=seed, device=device)
+            built.update({m.name: worker for m in fresh})
+        world = world_of(wg.ranks)
+        groups.append(InProcessGroup(wg.name, {m: built[m] for m in wg.models}, world, pool_of(wg.name, world)))
+    return groups
 
 
 class LocalBackend:
     name = "local"
 
     def start(self, graph: Graph, *, seed: int, device: str) -> dict[str, WorkerGroup]:
-        groups: dict[str, WorkerGroup] = {}
-        built: dict[str, ModelWorker] = {}
-        for wg in graph.worker_groups:
-            fresh = [graph.model(m) for m in wg.models if m not in built]
-            if fresh:
-                worker = ModelWorker(fresh, graph.models, seed=seed, device=device)
-                built.update({m.name: worker for m in fresh})
-            groups[wg.name] = LocalWorkerGroup(wg.name, {m: built[m] for m in wg.models})
-        return groups
+        groups = in_process_groups(graph, seed=seed, device=device, pool_of=lambda name, world: None,
+                                   world_of=lambda ranks: 1)
+        return {g.name: g for g in groups}
+
+    def after_update(self, model: str, group: str) -> float:
+        return 0.0  # a model in several groups is one shared object: nothing to send
 
     def shutdown(self) -> None:
         pass

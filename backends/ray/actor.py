@@ -19,8 +19,9 @@ from typing import Any
 import ray
 import torch
 
-from flowrl.backends.ray.dispatch import MODEL_CALLS
 from flowrl.ir.graph import ModelDecl
+from flowrl.runtime.chunks import STREAMS
+from flowrl.runtime.dispatch import MODEL_CALLS
 from flowrl.runtime.worker import ModelWorker
 
 TICK_S = 0.02  # a stream pull returns at least this often, carrying the rank's progress
@@ -61,11 +62,16 @@ class RankActor:
         dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=self.rank,
                                 world_size=self.world, timeout=DIST_TIMEOUT)
 
+    def _crash_due(self, method: str) -> bool:
+        """Count a model call; True when it is the one the test hook `crash_on_call` names."""
+        if method not in MODEL_CALLS:
+            return False
+        self.calls += 1
+        return self.crash_on_call is not None and self.calls == self.crash_on_call
+
     def run(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        if method in MODEL_CALLS:
-            self.calls += 1
-            if self.crash_on_call is not None and self.calls == self.crash_on_call:
-                os._exit(1)
+        if method not in STREAMS and self._crash_due(method):
+            os._exit(1)
         try:
             return getattr(self.worker, method)(*args, **kwargs)
         except Exception as e:
@@ -83,11 +89,16 @@ class RankActor:
         if controlled:
             kwargs = {**kwargs, "control": _PulledControl(self)}
         items: queue.Queue[tuple[str, Any]] = queue.Queue()
+        crash = self._crash_due(method)  # the test hook: exit once the stream has handed over its first item
 
         def produce() -> None:
             try:
                 for item in self.run(method, *args, **kwargs):
                     items.put(("item", item))
+                    if crash:
+                        while not items.empty():  # until the scheduler has pulled it: then die mid-stream
+                            threading.Event().wait(TICK_S)
+                        os._exit(1)
                 items.put(("end", None))
             except BaseException as e:  # re-raised by the pull that finds it
                 items.put(("error", e))

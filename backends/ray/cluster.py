@@ -22,7 +22,7 @@ import ray
 
 from flowrl.backends.ray.group import GroupSpec
 from flowrl.errors import Diagnostic, FlowError
-from flowrl.ir.graph import Graph, Range
+from flowrl.ir.graph import Graph
 
 log = logging.getLogger("flowrl.ray")
 
@@ -144,16 +144,6 @@ def _replace(dest: Path, source: Path, *, link: bool) -> None:
         log.warning("could not %s Ray logs to %s: %s", "link" if link else "copy", dest, e)
 
 
-def replicas_of(value: int | str | Range) -> int:
-    """Ranks of a group: an integer; `auto` is 1 here; a range (elastic, the serverless backend's business)
-    starts at its low end."""
-    if isinstance(value, Range):
-        return max(1, value.lo)
-    if isinstance(value, int):
-        return max(1, value)
-    return 1
-
-
 def group_specs(graph: Graph, *, seed: int, device: str, resources: Mapping[str, float],
                 crash_on_call: Mapping[str, Mapping[int, int]] | None = None,
                 snapshot_every: int = 10) -> list[GroupSpec]:
@@ -169,7 +159,7 @@ def group_specs(graph: Graph, *, seed: int, device: str, resources: Mapping[str,
     for wg in graph.worker_groups:
         decls = tuple(graph.model(m) for m in wg.models)
         units = max([float(d.gpus) for d in decls] + [0.0]) or 1.0  # GPUs (or CPUs standing in for them) per rank
-        sized.append((wg.name, decls, replicas_of(wg.replicas), units))
+        sized.append((wg.name, decls, wg.ranks, units))
     demand = sum(world * units for _, _, world, units in sized)
     specs = []
     for name, decls, world, units in sized:

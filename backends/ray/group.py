@@ -25,11 +25,12 @@ from ray.exceptions import RayActorError, RayTaskError
 from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from flowrl.backends.ray import dispatch
 from flowrl.backends.ray.actor import RankActor
 from flowrl.errors import FlowError
 from flowrl.ir.graph import ModelDecl
+from flowrl.runtime import dispatch
 from flowrl.runtime.chunks import STREAMS
+from flowrl.runtime.protocol import RankLostError
 
 if TYPE_CHECKING:
     from flowrl.backends.ray.sync import WeightSync
@@ -98,10 +99,15 @@ class RayFuture:
 class RayWorkerGroup:
     """N ranks of `ModelWorker`s (one actor process per rank, all the group's models colocated in it)."""
 
+    inline = False
+    per_rank = True
+    why_not_per_rank = ""
+
     def __init__(self, spec: GroupSpec, pg: PlacementGroup, sync: WeightSync | None = None):
         self.spec, self.pg, self.sync = spec, pg, sync
         self.name, self.world = spec.name, spec.world
         self.models = tuple(m.name for m in spec.models)
+        self.pads: dict[str, int] = {}  # model -> its tokenizer's pad id (filled by `setup`)
         self.restarts = 0  # rank rebuilds so far (each rebuilds every rank of the group)
         self._snapshot: ray.ObjectRef | None = None  # rank 0's state at the last snapshot (None: initial weights)
         self._since: list[dispatch.Plan] = []  # state-changing calls after that snapshot, in order
@@ -126,6 +132,8 @@ class RayWorkerGroup:
     def setup(self) -> None:
         """Wait for the ranks to build their models, join the process group, restore the last weights."""
         self._gather([a.ready.remote() for a in self.actors], "starting")
+        self.pads = dict(zip(self.models, self._gather([self.actors[0].run.remote("pad_id", m) for m in self.models],
+                                                       "starting"), strict=True))
         if self.world > 1:
             host, port = ray.get(self.actors[0].address.remote())
             self._gather([a.join.remote(host, port) for a in self.actors], "joining the process group")
@@ -187,8 +195,15 @@ class RayWorkerGroup:
     def _one(self, rank: int, ref: ray.ObjectRef, what: str) -> Any:
         try:
             return self._gather([ref], f"{what} on rank {rank}")[0]
-        except RankLost as lost:  # a fused stage is not replayed rank by rank: the step fails, clearly
-            raise WorkerLostError(f"worker group {self.name}: {lost} during a fused stage") from None
+        except RankLost as lost:  # a rank-by-rank call is not re-sent here: the fused stage recovers and re-runs
+            raise RankLostError(self.name, f"worker group {self.name}: {lost} during a fused stage") from None
+
+    def colocated(self, models: Sequence[str]) -> bool:
+        return all(m in self.models for m in models)  # each rank's models share its one actor process
+
+    def recover(self) -> None:
+        """Rebuild every rank from the last weights they held (after a rank was lost mid-call)."""
+        self._rebuild()
 
     def state_dict(self) -> dict[str, Any]:
         state: dict[str, Any] = self.call("state_dict", dispatch="rank0").result()
@@ -232,7 +247,8 @@ class RayWorkerGroup:
                 pending = None
         if plan.method in dispatch.MUTATING:
             self._remember(plan)
-        merged = dispatch.merge(plan, values)
+        model = plan.calls[0].args[0] if plan.calls[0].args else None
+        merged = dispatch.merge(plan, values, self.pads.get(model, 0) if isinstance(model, str) else 0)
         if plan.method in dispatch.UPDATES and self.sync is not None and plan.calls[0].args:
             trained = plan.calls[0].args[0]  # a model name, or a list of them (update_fused)
             for model in [trained] if isinstance(trained, str) else trained:

@@ -4,6 +4,7 @@ from flowrl.ir.graph import (
     CONTROLLER,
     DataDecl,
     Graph,
+    GroupDecl,
     ModelDecl,
     Node,
     PassRecord,
@@ -11,12 +12,11 @@ from flowrl.ir.graph import (
     Range,
     Ref,
     RewardDecl,
-    WorkerGroup,
 )
 from flowrl.ir.printer import to_json, to_json_text, to_text
 from flowrl.ir.verify import GraphError, verify
 
 __all__ = [
     "CONTROLLER", "DataDecl", "Graph", "GraphError", "ModelDecl", "Node", "PassRecord", "PoolDecl", "Range",
-    "Ref", "RewardDecl", "WorkerGroup", "to_json", "to_json_text", "to_text", "verify",
+    "Ref", "RewardDecl", "GroupDecl", "to_json", "to_json_text", "to_text", "verify",
 ]

@@ -101,13 +101,24 @@ class PoolDecl:
 
 
 @dataclass(frozen=True)
-class WorkerGroup:
-    """Models that share ranks (colocated in one process per rank), and the pool they run on."""
+class GroupDecl:
+    """A worker group as the compiler declares it: models that share ranks (colocated in one process per rank),
+    the pool they run on and how many ranks. (What runs it is a backend's `flowrl.runtime.protocol.WorkerGroup`.)"""
 
     name: str
     models: tuple[str, ...]
     pool: str | None = None
     replicas: int | str | Range = 1
+
+    @property
+    def ranks(self) -> int:
+        """Ranks a fixed-size backend starts: `replicas`; `auto` is 1; a range (an elastic pool, which the
+        serverless backend scales) starts at its low end."""
+        if isinstance(self.replicas, Range):
+            return max(1, self.replicas.lo)
+        if isinstance(self.replicas, int):
+            return max(1, self.replicas)
+        return 1
 
 
 @dataclass(frozen=True)
@@ -165,7 +176,7 @@ class Graph:
     data: tuple[DataDecl, ...] = ()
     run: Mapping[str, Value] = field(default_factory=frozen)
     pools: tuple[PoolDecl, ...] = ()
-    worker_groups: tuple[WorkerGroup, ...] = ()
+    worker_groups: tuple[GroupDecl, ...] = ()
     imports: tuple[str, ...] = ()
     passes: tuple[PassRecord, ...] = ()
     template: str | None = None  # the `use`d template, if any

@@ -2,48 +2,20 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
-from typing import Protocol
+from collections.abc import Sequence
+from dataclasses import replace
 
 from flowrl.ir.graph import Graph, PassRecord
 from flowrl.ir.verify import verify
+from flowrl.passes import builtin
+from flowrl.passes.registry import REGISTRY, Pass, RegisteredPass, register
 
-
-class Pass(Protocol):
-    """A pass returns the rewritten graph and notes saying what it changed and why (or why it refused)."""
-
-    def __call__(self, graph: Graph) -> tuple[Graph, list[str]]: ...
-
-
-@dataclass(frozen=True)
-class RegisteredPass:
-    name: str  # kebab-case, as on the command line
-    fn: Pass
-    doc: str
-    default: bool = True  # on unless switched off
-
-
-REGISTRY: list[RegisteredPass] = []
-
-
-def register(name: str, doc: str, *, default: bool = True) -> Callable[[Pass], Pass]:
-    """Add a pass to the registry (its place in the pipeline: `builtin.PIPELINE`, see `_load_builtin`)."""
-
-    def wrap(fn: Pass) -> Pass:
-        if any(p.name == name for p in REGISTRY):
-            raise ValueError(f"pass {name!r} registered twice")
-        REGISTRY.append(RegisteredPass(name, fn, doc, default))
-        return fn
-
-    return wrap
+__all__ = ["REGISTRY", "Pass", "PassSelectionError", "RegisteredPass", "names", "register", "run_passes", "select"]
 
 
 def _load_builtin() -> None:
     # Importing the pass modules registers them; `builtin.PIPELINE` fixes their order, whichever module a
     # caller happened to import first (passes registered elsewhere follow, in registration order).
-    from flowrl.passes import builtin
-
     order = {name: i for i, name in enumerate(builtin.PIPELINE)}
     REGISTRY.sort(key=lambda p: order.get(p.name, len(order)))
 

@@ -3,7 +3,7 @@
 from flowrl.passes import (  # noqa: F401  (registers them)
     fuse_gen_inference,
     fuse_train,
-    on_policy,
+    on_policy_logp,
     score_tail,
     share_prefix,
 )

@@ -19,8 +19,8 @@ the one the unfused step computes.
 from __future__ import annotations
 
 from flowrl.ir.graph import Graph, Node
-from flowrl.passes import register
 from flowrl.passes.common import forwards_over, position, rollouts
+from flowrl.passes.registry import register
 
 MIN_STREAM_TOKENS = 16  # shorter responses all finish within a few steps: nothing worth streaming
 MIGRATE_BELOW = 0.2  # RLHFuse: migrate when about 20% of the samples are still decoding

@@ -10,8 +10,8 @@ result is awaited). Either way each model's update computes exactly what it comp
 from __future__ import annotations
 
 from flowrl.ir.graph import Graph, Node
-from flowrl.passes import register
 from flowrl.passes.common import ancestors, position
+from flowrl.passes.registry import register
 
 
 def why_not_fuse(graph: Graph, first: Node, later: Node) -> str | None:

@@ -18,8 +18,8 @@ separate devices, where a decode step is slow and the train pool idles while the
 from __future__ import annotations
 
 from flowrl.ir.graph import Graph, Node
-from flowrl.passes import register
 from flowrl.passes.common import rollouts
+from flowrl.passes.registry import register
 
 PARTIAL_BELOW = 0.25  # RLHFuse migrates at 20% unfinished; start a little earlier so the tail's head is covered
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 from flowrl.data.jsonl import read_jsonl
 from flowrl.errors import DataError
 from flowrl.ir.graph import Graph, Node
-from flowrl.passes import register
 from flowrl.passes.common import DataPrompts, forwards_over, rollouts, updates_over
+from flowrl.passes.registry import register
 
 MIN_LEN = 16  # tokens: below this a shared prefix saves less than the extra cache pass costs
 SCAN_ROWS = 10_000  # rows of a data file read to find shared prefixes

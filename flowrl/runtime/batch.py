@@ -5,7 +5,7 @@ between worker groups without looking inside their tensors.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -91,13 +91,15 @@ class Batch:
         return Batch(self.size, {**self.tensors, **extra}, {**other.meta, **self.meta}, self.primary)
 
     @staticmethod
-    def concat(batches: Sequence[Batch]) -> Batch:
-        """Samples of all batches, in order. Tensors with a second dimension are right-padded with 0 to the
-        widest, except `*_ids` left-padded prompt tensors, which are left-padded (see `_pad`)."""
+    def concat(batches: Sequence[Batch], fill: Mapping[str, int] | None = None) -> Batch:
+        """Samples of all batches, in order. Tensors with a second dimension are padded to the widest: on the
+        right, except `prompt_*` tensors (left-padded prompts), with `fill[key]` (token ids: the pad id) or 0."""
         if len(batches) == 1:
             return batches[0]
         keys = list(batches[0].tensors)
-        tensors = {k: _cat([b.tensors[k] for b in batches], left=k.startswith("prompt_")) for k in keys}
+        fill = fill or {}
+        tensors = {k: _cat([b.tensors[k] for b in batches], left=k.startswith("prompt_"), fill=fill.get(k, 0))
+                   for k in keys}
         meta = {k: [x for b in batches for x in b.meta[k]] for k in batches[0].meta}
         return Batch(sum(b.size for b in batches), tensors, meta, batches[0].primary)
 
@@ -105,7 +107,7 @@ class Batch:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
 
-def _cat(parts: list[torch.Tensor], left: bool) -> torch.Tensor:
+def _cat(parts: list[torch.Tensor], left: bool, fill: int = 0) -> torch.Tensor:
     if parts[0].dim() < 2:
         return torch.cat(parts)
     width = max(p.shape[1] for p in parts)
@@ -113,7 +115,25 @@ def _cat(parts: list[torch.Tensor], left: bool) -> torch.Tensor:
     for p in parts:
         gap = width - p.shape[1]
         if gap:
-            pad = p.new_zeros((p.shape[0], gap, *p.shape[2:]))
+            pad = p.new_full((p.shape[0], gap, *p.shape[2:]), fill)
             p = torch.cat([pad, p] if left else [p, pad], dim=1)
         padded.append(p)
     return torch.cat(padded)
+
+
+# Update inputs: parameter name -> the field of its batch that it becomes in the training batch.
+UPDATE_FIELDS = {"old_logp": "logp", "ref_logp": "logp", "advantages": "advantages", "returns": "returns",
+                 "values": "values"}
+
+
+def training_batch(inputs: Mapping[str, Batch]) -> Batch:
+    """An update node's inputs as one batch: the rollout's fields the update reads, and each other input under
+    its parameter name (its value field: `old_logp` is a log-prob forward's `logp`, ...)."""
+    rollout = inputs["rollout"]
+    tensors: dict[str, torch.Tensor] = {k: rollout[k] for k in ("prompt_ids", "prompt_mask", "response_ids", "response_mask",
+                                        "temperature", "group_id") if k in rollout.tensors}
+    for param, batch in inputs.items():
+        if param == "rollout":
+            continue
+        tensors[param] = batch.value(param if param in batch.tensors else UPDATE_FIELDS.get(param))
+    return Batch(rollout.size, tensors, {}, None)

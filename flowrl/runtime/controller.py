@@ -9,20 +9,16 @@ import traceback
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-import torch
-
 from flowrl.data.jsonl import PromptLoader
 from flowrl.errors import Diagnostic, ExecutionError, FlowError
 from flowrl.ir.graph import Graph, Node
 from flowrl.registry import RewardFn
-from flowrl.runtime.batch import Batch
+from flowrl.runtime.batch import Batch, training_batch
 from flowrl.runtime.functions import call_function, score_rollout
 from flowrl.runtime.fusion import StageRun, run_stage
-from flowrl.runtime.protocol import WorkerGroup
+from flowrl.runtime.protocol import RankLostError, WorkerGroup
 
-# Update inputs: parameter name -> the field it becomes in the training batch.
-UPDATE_FIELDS = {"old_logp": "logp", "ref_logp": "logp", "advantages": "advantages", "returns": "returns",
-                 "values": "values"}
+MAX_STAGE_RETRIES = 3  # a fused stage re-run after lost ranks: a rank that keeps dying is a bug, not bad luck
 
 
 @dataclass(frozen=True)
@@ -55,6 +51,7 @@ class Controller:
         self.seed = seed
         self.t0 = clock_start if clock_start is not None else time.perf_counter()
         self.after_update = after_update  # the backend's weight-sync hook (split placement), if it has one
+        self.declined: dict[str, str] = {}  # fused stages this backend runs unfused: node id -> why
 
     def step_seed(self, step: int, node: Node) -> int:
         # A seed per (step, node) makes a resumed run draw the same samples as an uninterrupted one.
@@ -70,9 +67,9 @@ class Controller:
             start = time.perf_counter()
             try:
                 if node.attrs.get("fusion"):  # a fused stage (passes fuse-*): all its members run now
-                    ran = run_stage(self, node, values, step, result.metrics)
+                    ran = self._stage(node, values, step, result.metrics)
                 else:
-                    ran = [StageRun(node, self._run(node, values, step, result.metrics), start, None)]
+                    ran = [StageRun(node, self.run_node(node, values, step, result.metrics), start, None)]
             except FlowError as e:
                 raise type(e)([_context(node, self.graph.path), *e.diagnostics]) from None
             except Exception as e:
@@ -89,6 +86,26 @@ class Controller:
         result.metrics.update(_summary(self.graph, values))
         result.values = values
         return result
+
+    def _stage(self, node: Node, values: dict[str, Batch], step: int, metrics: dict[str, float]) -> list[StageRun]:
+        """A fused stage; a rank lost during it (rank-by-rank calls are not re-sent by their group, as a plain
+        call is) is brought back with the weights it held and the stage runs again from its start with the same
+        seeds, so the step ends with the numbers it would have had (counted in `fault/stage_retries`)."""
+        for attempt in range(MAX_STAGE_RETRIES + 1):
+            try:
+                return run_stage(self, node, values, step, metrics)
+            except RankLostError as lost:
+                if attempt == MAX_STAGE_RETRIES:
+                    raise
+                group = self.groups.get(str(lost.group))
+                for g in [group] if group is not None else self.groups.values():
+                    g.recover()
+                metrics["fault/stage_retries"] = metrics.get("fault/stage_retries", 0.0) + 1.0
+        raise AssertionError("unreachable")
+
+    def decline(self, node: Node, reason: str) -> None:
+        """A fused stage that runs unfused on this backend, and why (said once per run, in run.json's notes)."""
+        self.declined.setdefault(node.id, reason)
 
     def _sync_weights(self, ran: list[StageRun], step: int, result: StepResult) -> None:
         """Split placement: after an update the backend sends the new weights to the other groups that hold the
@@ -111,7 +128,8 @@ class Controller:
                                          time.perf_counter() - start))
                 result.metrics[f"time/{name}"] = took
 
-    def _run(self, node: Node, values: dict[str, Batch], step: int, metrics: dict[str, float]) -> Batch | None:
+    def run_node(self, node: Node, values: dict[str, Batch], step: int, metrics: dict[str, float]) -> Batch | None:
+        """Run one node (not fused) and return its output (None for an update)."""
         inputs = {param: values[src] for param, src in node.inputs}
         attrs = dict(node.attrs)
         if node.op == "data":
@@ -130,7 +148,7 @@ class Controller:
             return group.call(node.op, node.model, inputs["rollout"], attrs,
                               dispatch=node.dispatch).result()
         if node.op == "update":
-            batch = _training_batch(inputs)
+            batch = training_batch(inputs)
             out = group.call("update", node.model, batch, attrs, dispatch=node.dispatch,
                              step_seed=self.step_seed(step, node)).result()
             self.record_update(node, out, metrics)
@@ -152,17 +170,6 @@ def _prompt_batch(loader: PromptLoader) -> Batch:
         "row": [row for _, row in picked],
         "prompt_id": [i for i, _ in picked],
     })
-
-
-def _training_batch(inputs: Mapping[str, Batch]) -> Batch:
-    rollout = inputs["rollout"]
-    tensors: dict[str, torch.Tensor] = {k: rollout[k] for k in ("prompt_ids", "prompt_mask", "response_ids", "response_mask",
-                                        "temperature", "group_id") if k in rollout.tensors}
-    for param, batch in inputs.items():
-        if param == "rollout":
-            continue
-        tensors[param] = batch.value(param if param in batch.tensors else UPDATE_FIELDS.get(param))
-    return Batch(rollout.size, tensors, {}, None)
 
 
 def _summary(graph: Graph, values: Mapping[str, Batch]) -> dict[str, float]:

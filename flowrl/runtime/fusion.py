@@ -11,15 +11,14 @@ where "another worker group" is the same process and its chunk forwards would on
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Protocol
 
-from flowrl.ir.graph import Node
-from flowrl.runtime.batch import Batch
-from flowrl.runtime.streaming import GenInfer, rank_group
-
-if TYPE_CHECKING:
-    from flowrl.runtime.controller import Controller
+from flowrl.ir.graph import Graph, Node
+from flowrl.runtime.batch import Batch, training_batch
+from flowrl.runtime.protocol import WorkerGroup
+from flowrl.runtime.streaming import GenInfer
 
 
 @dataclass(frozen=True)
@@ -32,12 +31,30 @@ class StageRun:
     end: float | None
 
 
-def members(ctl: Controller, node: Node) -> list[Node]:
+class StageHost(Protocol):
+    """What a fused stage uses of the controller that runs it (`flowrl.runtime.controller.Controller`)."""
+
+    @property
+    def graph(self) -> Graph: ...
+
+    @property
+    def groups(self) -> Mapping[str, WorkerGroup]: ...
+
+    def step_seed(self, step: int, node: Node) -> int: ...
+
+    def run_node(self, node: Node, values: dict[str, Batch], step: int, metrics: dict[str, float]) -> Batch | None: ...
+
+    def record_update(self, node: Node, out: Mapping[str, float], metrics: dict[str, float]) -> None: ...
+
+    def decline(self, node: Node, reason: str) -> None: ...
+
+
+def members(ctl: StageHost, node: Node) -> list[Node]:
     key = node.attrs.get("fusion")
     return [n for n in ctl.graph.nodes if n.attrs.get("fusion") == key]
 
 
-def run_stage(ctl: Controller, node: Node, values: dict[str, Batch], step: int,
+def run_stage(ctl: StageHost, node: Node, values: dict[str, Batch], step: int,
               metrics: dict[str, float]) -> list[StageRun]:
     stage = members(ctl, node)
     key = str(node.attrs.get("fusion"))
@@ -50,23 +67,28 @@ def run_stage(ctl: Controller, node: Node, values: dict[str, Batch], step: int,
     return _one_by_one(ctl, stage, values, step, metrics)
 
 
-def _one_by_one(ctl: Controller, stage: list[Node], values: dict[str, Batch], step: int,
+def _one_by_one(ctl: StageHost, stage: list[Node], values: dict[str, Batch], step: int,
                 metrics: dict[str, float]) -> list[StageRun]:
     ran = []
     for n in stage:
         start = time.perf_counter()
-        out = ctl._run(n, values, step, metrics)
+        out = ctl.run_node(n, values, step, metrics)
         if out is not None:
             values[n.id] = out
         ran.append(StageRun(n, out, start, time.perf_counter()))
     return ran
 
 
-def _gen_infer(ctl: Controller, gen: Node, forwards: list[Node], values: dict[str, Batch], step: int,
+def _gen_infer(ctl: StageHost, gen: Node, forwards: list[Node], values: dict[str, Batch], step: int,
                metrics: dict[str, float]) -> list[StageRun] | None:
-    ranks = rank_group(ctl.groups[gen.worker_group])
-    in_process = [bool(getattr(ctl.groups[n.worker_group], "in_process", False)) for n in [gen, *forwards]]
-    if ranks is None or (ranks.world == 1 and all(in_process)):
+    ranks = ctl.groups[gen.worker_group]
+    if not ranks.per_rank:
+        ctl.decline(gen, f"worker group {ranks.name} cannot be called rank by rank: {ranks.why_not_per_rank}")
+        metrics["fusion/fallback"] = 1.0
+        return None
+    if all(ctl.groups[n.worker_group].inline for n in [gen, *forwards]):
+        ctl.decline(gen, "every group of the stage runs inline in the controller's process: chunk forwards would "
+                         "only take turns with decoding")
         metrics["fusion/fallback"] = 1.0
         return None
     other = {n.worker_group: ctl.groups[n.worker_group] for n in forwards if n.worker_group != gen.worker_group}
@@ -82,16 +104,13 @@ def _gen_infer(ctl: Controller, gen: Node, forwards: list[Node], values: dict[st
     return ran
 
 
-def _train(ctl: Controller, stage: list[Node], values: dict[str, Batch], step: int,
+def _train(ctl: StageHost, stage: list[Node], values: dict[str, Batch], step: int,
            metrics: dict[str, float]) -> list[StageRun]:
-    from flowrl.runtime.controller import _training_batch
-
     start = time.perf_counter()
-    batches = [_training_batch({p: values[src] for p, src in n.inputs}) for n in stage]
+    batches = [training_batch({p: values[src] for p, src in n.inputs}) for n in stage]
     seeds = [ctl.step_seed(step, n) for n in stage]
     group = ctl.groups[stage[0].worker_group]
-    holders: Any = getattr(group, "workers", None)
-    one_holder = not isinstance(holders, dict) or len({id(holders.get(n.model)) for n in stage}) == 1
+    one_holder = group.colocated([str(n.model) for n in stage])
     if stage[0].attrs.get("schedule") == "interleave" and one_holder:
         out = group.call("update_fused", [n.model for n in stage], batches, [dict(n.attrs) for n in stage],
                          dispatch=stage[0].dispatch, step_seeds=seeds).result()

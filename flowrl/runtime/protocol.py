@@ -1,12 +1,15 @@
-"""The protocols between the single controller and backends: `WorkerGroup.call(...) -> Future`.
+"""The contract between the single controller and backends (flowrl.runtime): everything the controller and the
+fused-stage scheduler use of a worker group or a backend is declared here, and every backend implements all of
+it. Nothing else is probed: a backend that lacks a capability says so through these fields, and the scheduler
+declines with the reason (as a pass does), instead of silently losing fused stages or weight sync.
 
-The controller only moves `Batch`es and futures; a backend decides where a worker group's ranks live
-(in-process for `local`, Ray actors for `ray`) and how a call is dispatched to them.
+A backend (`backends/<name>/`, registered in `flowrl.backends`) decides where a group's ranks live (in-process,
+threads, processes, Ray actors) and runs a call as `flowrl.runtime.dispatch` plans it: plan -> ranks -> merge.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 from flowrl.ir.graph import Graph
@@ -16,15 +19,45 @@ class Future(Protocol):
     def result(self) -> Any: ...
 
 
+class RankLostError(RuntimeError):
+    """A rank of worker group `group` died during a call that the group cannot re-send by itself (a rank-by-rank
+    call of a fused stage). The group is usable again after `recover()`; the caller re-runs its work."""
+
+    def __init__(self, group: str, message: str):
+        super().__init__(message)
+        self.group = group
+
+
 class WorkerGroup(Protocol):
-    """SPMD ranks hosting some models. `call` runs `ModelWorker.<method>(*args, **kwargs)` under
-    `dispatch` ("split": data-parallel split of the batch and concatenation of results; "broadcast":
-    every rank gets the whole input, rank 0's result is returned; "rank0": only rank 0 runs)."""
+    """SPMD ranks hosting some models (`ModelWorker`s).
+
+    - `call` runs `ModelWorker.<method>(*args, **kwargs)` under `dispatch` ("split": data-parallel split of the
+      batch and merge of the results; "broadcast": every rank gets the whole input, rank 0's result is returned;
+      "rank0": only rank 0 runs), planned by `flowrl.runtime.dispatch`.
+    - `on_rank` runs a method on one rank alone, pulling a stream (`generate_stream`, `resume_stream`) item by
+      item: what the fused stage's scheduler drives (`per_rank` says whether the group can).
+    - `inline`: its calls are plain calls on the caller's thread, in the controller's process (the local
+      backend's one rank): nothing of it runs beside the controller's own work. Thread, process and Ray ranks
+      run beside it (on threads of their own, in other processes, on other machines).
+    - `colocated(models)`: those models live in one process per rank, so one call can train them together
+      (fuse-train's interleaved schedule).
+    - `recover()`: bring back dead ranks with the last weights they held (after a `RankLostError`).
+    """
 
     name: str
     world: int
+    models: tuple[str, ...]
+    inline: bool
+    per_rank: bool
+    why_not_per_rank: str  # the reason, when `per_rank` is False ("" otherwise)
 
     def call(self, method: str, *args: Any, dispatch: str = "split", **kwargs: Any) -> Future: ...
+
+    def on_rank(self, rank: int, method: str, *args: Any, **kwargs: Any) -> Any: ...
+
+    def colocated(self, models: Sequence[str]) -> bool: ...
+
+    def recover(self) -> None: ...
 
     def state_dict(self) -> dict[str, Any]: ...
 
@@ -32,15 +65,21 @@ class WorkerGroup(Protocol):
 
 
 class Backend(Protocol):
+    """Where a plan runs. `after_update(model, group)` is called by the controller right after `model` was
+    trained in `group`: it brings every other group holding `model` (split placement) up to date and returns
+    the seconds it took (0.0 when no other group holds it, or when the groups share the weights in place)."""
+
     name: str
 
     def start(self, graph: Graph, *, seed: int, device: str) -> dict[str, WorkerGroup]: ...
+
+    def after_update(self, model: str, group: str) -> float: ...
 
     def shutdown(self) -> None: ...
 
 
 class Done:
-    """An already-completed future (the local backend runs calls synchronously)."""
+    """An already-completed future (for groups that run calls synchronously)."""
 
     def __init__(self, value: Any = None, error: BaseException | None = None):
         self._value, self._error = value, error
@@ -49,3 +88,11 @@ class Done:
         if self._error is not None:
             raise self._error
         return self._value
+
+
+def done(fn: Any, *args: Any, **kwargs: Any) -> Done:
+    """`fn(*args, **kwargs)` as a completed future; its exception surfaces at `result()`, like a remote call's."""
+    try:
+        return Done(fn(*args, **kwargs))
+    except Exception as e:
+        return Done(error=e)

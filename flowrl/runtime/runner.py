@@ -6,7 +6,6 @@ checkpoints as it goes (so an interrupted run loses at most `checkpoint_every` s
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import shutil
@@ -37,31 +36,16 @@ class RunResult:
     steps: int
 
 
-def make_backend(name: str, **options: Any) -> Backend:
-    if name == "local":
-        from flowrl.backends.local import LocalBackend
-
-        return LocalBackend()
-    if name == "ray":
-        try:
-            module = importlib.import_module("flowrl.backends.ray")
-        except ImportError as e:
-            raise FlowError(Diagnostic(f"the ray backend needs Ray: {e}", hint="pip install 'flowrl[ray]'")) from None
-        backend: Backend = module.RayBackend(**options)
-        return backend
-    raise FlowError(Diagnostic(f"unknown backend '{name}'", hint="use --backend local or --backend ray"))
-
-
 def last_checkpoint(out_dir: Path) -> Path | None:
     found = sorted((out_dir / CKPT_DIR).glob("step_*.pt"))
     return found[-1] if found else None
 
 
-def _rewards(graph: Graph) -> dict[str, RewardFn]:
+def rewards_of(graph: Graph) -> dict[str, RewardFn]:
     return {r.target: resolve_reward(r.target) for r in graph.rewards}
 
 
-def _loaders(graph: Graph, seed: int) -> dict[str, PromptLoader]:
+def loaders_of(graph: Graph, seed: int) -> dict[str, PromptLoader]:
     loaders = {}
     for d in graph.data:
         opts: dict[str, Any] = dict(d.options)
@@ -73,11 +57,11 @@ def _loaders(graph: Graph, seed: int) -> dict[str, PromptLoader]:
     return loaders
 
 
-def run(graph: Graph, *, out_dir: str | Path, backend: str = "local", steps: int | None = None,
+def run(graph: Graph, *, out_dir: str | Path, backend: Backend, steps: int | None = None,
         seed: int | None = None, resume: bool = False, overwrite: bool = False, device: str | None = None,
-        on_step: Callable[[int, dict[str, Any]], None] | None = None,
-        backend_options: dict[str, Any] | None = None) -> RunResult:
-    """Train `graph` for `steps` steps (default: `run { steps }`) and return the metrics of every step.
+        on_step: Callable[[int, dict[str, Any]], None] | None = None) -> RunResult:
+    """Train `graph` on `backend` (not started yet; shut down at the end, whatever happens) for `steps` steps
+    (default: `run { steps }`) and return the metrics of every step. `flowrl.run` makes the backend by name.
 
     A directory that already holds a run is continued with `resume=True` or replaced with `overwrite=True`;
     otherwise it is an error, so an earlier run's checkpoints are never mixed up or lost."""
@@ -92,10 +76,10 @@ def run(graph: Graph, *, out_dir: str | Path, backend: str = "local", steps: int
 
     (out / "graph.txt").write_text(to_text(graph), encoding="utf-8")
     (out / "graph.json").write_text(to_json_text(graph), encoding="utf-8")
-    loaders, rewards = _loaders(graph, seed), _rewards(graph)
+    loaders, rewards = loaders_of(graph, seed), rewards_of(graph)
     metrics_path, trace_path = out / "metrics.jsonl", out / "trace.json"
 
-    be = make_backend(backend, **(backend_options or {}))
+    be = backend
     t0 = time.perf_counter()
     try:
         groups = be.start(graph, seed=seed, device=dev)
@@ -107,10 +91,9 @@ def run(graph: Graph, *, out_dir: str | Path, backend: str = "local", steps: int
             report.truncate_metrics(metrics_path, start)
             events = [e for e in report.load_trace(trace_path) if e.get("ph") == "X" and e["args"]["step"] <= start]
             t0 -= max((e["ts"] + e["dur"]) / 1e6 for e in events if e.get("ph") == "X") if events else 0.0
-        (out / "run.json").write_text(json.dumps({"flow": graph.path, "backend": backend, "seed": seed,
-                                                  "steps": total, "device": dev}, indent=2), encoding="utf-8")
-        ctl = Controller(graph, groups, loaders, rewards, seed=seed, clock_start=t0,
-                         after_update=getattr(be, "after_update", None))
+        about: dict[str, Any] = {"flow": graph.path, "backend": be.name, "seed": seed, "steps": total, "device": dev}
+        (out / "run.json").write_text(json.dumps(about, indent=2), encoding="utf-8")
+        ctl = Controller(graph, groups, loaders, rewards, seed=seed, clock_start=t0, after_update=be.after_update)
         tb = report.TensorBoard(out / "tb")
         group_names = ["controller", *[w.name for w in graph.worker_groups]]
         spans: list[Span] = []
@@ -128,6 +111,9 @@ def run(graph: Graph, *, out_dir: str | Path, backend: str = "local", steps: int
                 _save_checkpoint(out, step, groups, loaders)
                 report.write_trace(trace_path, report.trace_events(spans, group_names, prior=events))
         tb.close()
+        if ctl.declined:  # fused stages this backend ran unfused, and why
+            about["unfused"] = dict(ctl.declined)
+            (out / "run.json").write_text(json.dumps(about, indent=2), encoding="utf-8")
     finally:
         be.shutdown()
     metrics = report.read_metrics(metrics_path)

@@ -42,7 +42,7 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
@@ -61,6 +61,7 @@ from flowrl.runtime.chunks import (
     partial_of,
     rank_seed,
 )
+from flowrl.runtime.protocol import WorkerGroup
 from flowrl.runtime.schedule import THREADS
 
 ELSEWHERE = -1  # the `Timed.rank` of forwards run by another worker group
@@ -104,36 +105,6 @@ class _Work:
         return [(self.live[b], torch.tensor(r, dtype=torch.long)) for b, r in sorted(rows.items())]
 
 
-class RankGroup(Protocol):
-    """A worker group whose ranks can be called one by one (what streaming with several ranks needs)."""
-
-    world: int
-
-    def on_rank(self, rank: int, method: str, *args: Any, **kwargs: Any) -> Any: ...
-
-
-class _OneRank:
-    """A one-rank in-process group (the local backend) seen as a RankGroup."""
-
-    world = 1
-
-    def __init__(self, group: Any):
-        self.group = group
-
-    def on_rank(self, rank: int, method: str, *args: Any, **kwargs: Any) -> Any:
-        return self.group.call(method, *args, **kwargs).result()
-
-
-def rank_group(group: Any) -> RankGroup | None:
-    """The group as a RankGroup, or None when it cannot stream (a remote group without `on_rank`)."""
-    if hasattr(group, "on_rank"):
-        ranks: RankGroup = group
-        return ranks
-    if int(getattr(group, "world", 1)) == 1 and isinstance(getattr(group, "workers", None), dict):
-        return _OneRank(group)
-    return None
-
-
 @dataclass
 class Timed:
     """One piece of work of the stage: which rank ran it and when (seconds, perf_counter)."""
@@ -161,8 +132,8 @@ class _Control:
 class GenInfer:
     """One step's fused generation + forwards over a RankGroup (see the module docstring)."""
 
-    def __init__(self, ranks: RankGroup, gen: Node, forwards: Sequence[Node], prompts: Batch, step_seed: int,
-                 other: Mapping[str, Any]):
+    def __init__(self, ranks: WorkerGroup, gen: Node, forwards: Sequence[Node], prompts: Batch, step_seed: int,
+                 other: Mapping[str, WorkerGroup]):
         self.ranks, self.gen, self.forwards, self.prompts = ranks, gen, list(forwards), prompts
         self.step_seed, self.other = step_seed, other  # other: worker groups of forwards placed elsewhere
         self.attrs = dict(gen.attrs)
@@ -187,7 +158,7 @@ class GenInfer:
             name: queue.SimpleQueue() for name in other}
         # Groups that score samples while they decode: the stage asks for it (partial_below) and each sample's
         # state can stay on one rank (one rank, or ranks callable one by one).
-        self.grows = {name for name, g in other.items() if int(getattr(g, "world", 1)) == 1 or hasattr(g, "on_rank")}
+        self.grows = {name for name, g in other.items() if g.world == 1 or g.per_rank}
         if partial_of(self.attrs) <= 0 or not self.grows:
             self.grows, self.attrs["partial_below"] = set(), 0
         self.grown: set[int] = set()  # samples that went out while decoding
@@ -207,7 +178,7 @@ class GenInfer:
         start = time.perf_counter()
         join = THREADS.start([partial(self._elsewhere_loop, q) for q in self.elsewhere.values()])
         try:
-            if isinstance(self.ranks, _OneRank):  # a generator in this process: pulled between forwards
+            if self.ranks.inline:  # a generator on this thread: pulled between forwards
                 self._run_inline()
             else:
                 self._run_threads()
@@ -494,7 +465,7 @@ class GenInfer:
         live = [growing_rows(b.select(rows), False) for b, rows in w.latest(done)]
         rows = concat(([growing_rows(finals, True)] if finals is not None else []) + live)
         group = self.other[str(w.node.worker_group)]
-        world = int(getattr(group, "world", 1))
+        world = group.world
         args = (w.node.model, w.node.op, rows, dict(w.node.attrs))
         kwargs = dict(node=w.node.id, stage=self.stage)
         t0 = time.perf_counter()

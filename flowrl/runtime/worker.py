@@ -370,6 +370,10 @@ class ModelWorker:
     def load_weights(self, model: str, weights: Mapping[str, torch.Tensor]) -> None:
         self.models[model].module.load_state_dict(weights)
 
+    def pad_id(self, model: str) -> int:
+        """The token id that pads `model`'s rollouts (what a group merging its ranks' rollouts fills with)."""
+        return int(self.models[model].tokenizer.pad_id)
+
 
 def _at_last_token(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """(B,) the value at each sample's last response token: a reward model's score."""

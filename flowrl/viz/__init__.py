@@ -77,9 +77,9 @@ def render(path: str, output: str | Path, stage: str = "optimized", timings: str
     """Compile the flow at `path` (no passes for the parsed stage) and draw it into OUT."""
     require_dot(output_format(output))  # before compiling: a wrong -o fails fast
     _stage(stage)
-    from flowrl.cli import compile_file
+    from flowrl.compiler import compile_file, parse_sets
 
-    graph = compile_file(path, sets, passes="") if stage == "parsed" else compile_file(path, sets)
+    graph = compile_file(path, parse_sets(sets), passes=[] if stage == "parsed" else None)
     return render_graph(graph, output, stage, timings)
 
 

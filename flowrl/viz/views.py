@@ -13,7 +13,7 @@ from collections.abc import Iterable
 
 import graphviz
 
-from flowrl.ir.graph import CONTROLLER, Graph, Node, PoolDecl, WorkerGroup
+from flowrl.ir.graph import CONTROLLER, Graph, GroupDecl, Node, PoolDecl
 from flowrl.viz import style
 from flowrl.viz.timings import Timings
 
@@ -209,7 +209,7 @@ def _pool_text(p: PoolDecl) -> str:
     return f"pool {p.name} (gpus {p.gpus}{', elastic' if p.elastic else ''})"
 
 
-def _group_label(g: Graph, w: WorkerGroup) -> str:
+def _group_label(g: Graph, w: GroupDecl) -> str:
     parts = [f"<B>group {style.esc(w.name)}</B>", f"models {style.esc(', '.join(w.models))}"]
     pool = next((p for p in g.pools if p.name == w.pool), None)
     if pool is not None:
@@ -221,7 +221,7 @@ def _group_label(g: Graph, w: WorkerGroup) -> str:
     return "<" + " \u2014 ".join(parts) + ">"
 
 
-def _group_color(g: Graph, w: WorkerGroup) -> str:
+def _group_color(g: Graph, w: GroupDecl) -> str:
     """The border of a group: the role colour of its first model, so the group reads as its models."""
     for name in w.models:
         try:

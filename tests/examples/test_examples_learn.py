@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 import flowrl
-from flowrl.runtime.runner import run
+from flowrl import run
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ from flowrl.ir.graph import Graph
 from flowrl.passes import run_passes, select
 from flowrl.runtime.controller import Controller, StepResult
 from flowrl.runtime.protocol import Backend
-from flowrl.runtime.runner import _loaders, _rewards
+from flowrl.runtime.runner import loaders_of, rewards_of
 
 SYSTEM = "12+34+56+78+90="  # a shared opening of >= 16 tokens (BOS + 15 characters)
 MODEL = 'source = "tiny:gpt2", layers = 1, dim = 32, heads = 2, charset = "0123456789+="'
@@ -90,8 +91,8 @@ def run_steps(graph: Graph, steps: int = 2, backend: Backend | None = None) -> l
     be = backend or LocalBackend()
     groups = be.start(graph, seed=5, device="cpu")
     try:
-        ctl = Controller(graph, groups, _loaders(graph, 5), _rewards(graph), seed=5,
-                         after_update=getattr(be, "after_update", None))
+        ctl = Controller(graph, groups, loaders_of(graph, 5), rewards_of(graph), seed=5,
+                         after_update=be.after_update)
         return [ctl.step(s) for s in range(1, steps + 1)]
     finally:
         be.shutdown()
@@ -118,3 +119,31 @@ def assert_same_numbers(a: list[StepResult], b: list[StepResult], tol: float = 1
         assert keys == {k for k in rb.metrics if not k.startswith(("time/", "fusion/"))}
         for k in keys:
             assert abs(ra.metrics[k] - rb.metrics[k]) <= tol, k
+
+
+class GroupProxy:
+    """A worker group that forwards the whole `WorkerGroup` protocol to `inner`: tests subclass it to change one
+    thing (slow forwards, a group that runs beside the controller, one that cannot be called rank by rank)."""
+
+    def __init__(self, inner: Any):
+        self.inner = inner
+        self.name, self.world, self.models = inner.name, inner.world, inner.models
+        self.inline, self.per_rank, self.why_not_per_rank = inner.inline, inner.per_rank, inner.why_not_per_rank
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return self.inner.call(method, *args, **kwargs)
+
+    def on_rank(self, rank: int, method: str, *args: Any, **kwargs: Any) -> Any:
+        return self.inner.on_rank(rank, method, *args, **kwargs)
+
+    def colocated(self, models: Any) -> bool:
+        return bool(self.inner.colocated(models))
+
+    def recover(self) -> None:
+        self.inner.recover()
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(self.inner.state_dict())
+
+    def load_state_dict(self, state: Any) -> None:
+        self.inner.load_state_dict(state)

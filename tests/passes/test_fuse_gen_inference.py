@@ -12,6 +12,7 @@ import torch
 
 import flowrl.dsl
 from flowrl.backends.local import LocalBackend
+from flowrl.backends.threads import ThreadBackend
 from flowrl.engines.generation import generate
 from flowrl.engines.streaming import GenChunk, Sampling, Tail, generate_stream, resume_stream
 from flowrl.ir.graph import Graph
@@ -20,9 +21,8 @@ from flowrl.models.tokenizer import ByteTokenizer
 from flowrl.passes.fuse_gen_inference import fuse_gen_inference
 from flowrl.runtime.batch import Batch
 from flowrl.runtime.chunks import assemble
-from flowrl.runtime.ranks import ThreadedLocalBackend
 
-from .conftest import MODEL, SPLIT, assert_same_numbers, passes, run_steps
+from .conftest import MODEL, SPLIT, GroupProxy, assert_same_numbers, passes, run_steps
 
 FUSED = ("rollout", "old_logp", "ref_logp", "values", "scores")
 
@@ -241,7 +241,7 @@ def test_assemble_restores_sample_order_and_padding() -> None:
 
 def test_a_run_computes_the_same_numbers_with_and_without_it(ppo: Callable[..., Graph]) -> None:
     g = ppo(n=4, batch=4, placement=SPLIT)
-    on = run_steps(passes(g, "fuse-gen-inference"), backend=ThreadedLocalBackend(1))
+    on = run_steps(passes(g, "fuse-gen-inference"), backend=ThreadBackend(1))
     assert on[0].metrics["fusion/chunks"] >= 2 and on[0].metrics["fusion/workers"] == 1
     assert_same_numbers(on, run_steps(passes(g)))
 
@@ -261,7 +261,7 @@ def test_two_ranks_migrate_the_tail_and_compute_the_same_numbers(ppo: Callable[.
     assert g.node("rollout").attrs["chunk_forwards"] == "own-rank"
     eager = g.with_nodes([n.with_attrs(migrate_below=0.9, chunk_forwards=where) if n.id == "rollout" else n
                           for n in g.nodes])
-    on = run_steps(eager, backend=ThreadedLocalBackend(2))
+    on = run_steps(eager, backend=ThreadBackend(2))
     assert all(r.metrics["fusion/workers"] == 2 for r in on)
     migrated = sum(r.metrics["fusion/migrated"] for r in on)
     inline = sum(r.metrics["fusion/inline_chunks"] for r in on)
@@ -270,10 +270,10 @@ def test_two_ranks_migrate_the_tail_and_compute_the_same_numbers(ppo: Callable[.
     else:  # chunks queue for free ranks (whether rows move depends on how many are left when it fires, which
         # depends on thread timing; the hand-over itself is tested deterministically above)
         assert inline == 0
-    assert_same_numbers(on, run_steps(passes(ppo(n=4, batch=4, placement=SPLIT)), backend=ThreadedLocalBackend(2)))
+    assert_same_numbers(on, run_steps(passes(ppo(n=4, batch=4, placement=SPLIT)), backend=ThreadBackend(2)))
 
 
-class _RemoteLike(ThreadedLocalBackend):
+class _RemoteLike(ThreadBackend):
     """Ranks the scheduler cannot drive one by one (no `on_rank`): the stage must run unfused."""
 
     def start(self, graph: Graph, *, seed: int, device: str) -> dict[str, Any]:
@@ -281,26 +281,24 @@ class _RemoteLike(ThreadedLocalBackend):
         return {name: _NoRanks(g) for name, g in groups.items()}
 
 
-class _NoRanks:
+class _NoRanks(GroupProxy):
     def __init__(self, inner: Any):
-        self.inner, self.name, self.world = inner, inner.name, inner.world
-
-    def call(self, *args: Any, **kwargs: Any) -> Any:
-        return self.inner.call(*args, **kwargs)
+        super().__init__(inner)
+        self.per_rank, self.why_not_per_rank = False, "a test group without per-rank calls"
 
 
 def test_a_group_that_cannot_stream_runs_the_stage_unfused(ppo: Callable[..., Graph]) -> None:
     g = ppo(n=4, batch=4, placement=SPLIT)
     on = run_steps(passes(g, "fuse-gen-inference"), steps=1, backend=_RemoteLike(2))
     assert on[0].metrics["fusion/fallback"] == 1.0
-    assert_same_numbers(on, run_steps(passes(g), steps=1, backend=ThreadedLocalBackend(2)))
+    assert_same_numbers(on, run_steps(passes(g), steps=1, backend=ThreadBackend(2)))
 
 
 @pytest.mark.slow  # spawns two rank processes (~10 s of imports)
 def test_process_ranks_stream_migrate_and_train_data_parallel(ppo: Callable[..., Graph]) -> None:
     """Two spawned rank processes (streams and export requests over pipes, gloo all-reduce in the update)
     compute what two in-process ranks compute."""
-    from flowrl.runtime.procs import ProcessBackend
+    from flowrl.backends.process import ProcessBackend
 
     g = passes(ppo(n=4, batch=4, placement=SPLIT), "fuse-gen-inference", "fuse-train")
     eager = g.with_nodes([n.with_attrs(migrate_below=0.9, chunk_forwards="free-rank") if n.id == "rollout" else n
@@ -308,7 +306,7 @@ def test_process_ranks_stream_migrate_and_train_data_parallel(ppo: Callable[...,
     on = run_steps(eager, steps=2, backend=ProcessBackend(2))
     assert on[0].metrics["fusion/workers"] == 2
     assert_same_numbers(on, run_steps(passes(ppo(n=4, batch=4, placement=SPLIT)), steps=2,
-                                      backend=ThreadedLocalBackend(2)))
+                                      backend=ThreadBackend(2)))
 
 
 
@@ -326,12 +324,12 @@ class _GenGate(LocalBackend):
         return {"gen": _Streams(groups["gen"], self.over), "infer": self.infer}
 
 
-class _Streams:
-    def __init__(self, inner: Any, over: threading.Event):
-        self.inner, self.name, self.world, self.over = inner, inner.name, 1, over
+class _Streams(GroupProxy):
+    """The in-process group driven from a rank thread of the scheduler, as a group beside the controller is."""
 
-    def call(self, *args: Any, **kwargs: Any) -> Any:
-        return self.inner.call(*args, **kwargs)
+    def __init__(self, inner: Any, over: threading.Event):
+        super().__init__(inner)
+        self.inline, self.over = False, over
 
     def on_rank(self, rank: int, method: str, *args: Any, **kwargs: Any) -> Any:
         out = self.inner.call(method, *args, **kwargs).result()
@@ -345,9 +343,10 @@ class _Streams:
         self.over.set()
 
 
-class _Waits:
+class _Waits(GroupProxy):
     def __init__(self, inner: Any, gate: _GenGate):
-        self.inner, self.name, self.world, self.gate = inner, inner.name, 1, gate
+        super().__init__(inner)
+        self.inline, self.gate = False, gate
         self.calls: list[str] = []
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
@@ -373,8 +372,8 @@ def test_forwards_on_another_group_run_while_generation_goes_on(ppo: Callable[..
     assert len(gate.infer.calls) <= 6 < 3 * on[0].metrics["fusion/chunks"]
     on = run_steps(fused_g, steps=2, backend=_GenGate())
     assert_same_numbers(on, run_steps(passes(split), steps=2))
-    two = run_steps(fused_g, steps=2, backend=ThreadedLocalBackend(2))
-    assert_same_numbers(two, run_steps(passes(split), steps=2, backend=ThreadedLocalBackend(2)))
+    two = run_steps(fused_g, steps=2, backend=ThreadBackend(2))
+    assert_same_numbers(two, run_steps(passes(split), steps=2, backend=ThreadBackend(2)))
 
 
 @pytest.mark.parametrize("world", [1, 2])
@@ -387,9 +386,9 @@ def test_the_other_group_scores_samples_while_they_decode_with_the_same_numbers(
     assert g.node("rollout").attrs["partial_below"] == 0.25
     eager = g.with_nodes([n.with_attrs(partial_below=1.0, flush_steps=2) if n.id == "rollout" else n
                           for n in g.nodes])
-    on = run_steps(eager, steps=2, backend=ThreadedLocalBackend(world))
+    on = run_steps(eager, steps=2, backend=ThreadBackend(world))
     assert all(r.metrics["fusion/grown"] > 0 and r.metrics["fusion/partials"] >= 2 for r in on)
-    assert_same_numbers(on, run_steps(passes(split), steps=2, backend=ThreadedLocalBackend(world)))
+    assert_same_numbers(on, run_steps(passes(split), steps=2, backend=ThreadBackend(world)))
 
 
 DISAGGREGATED = """
@@ -408,7 +407,7 @@ def test_process_groups_of_a_split_placement_sync_weights_and_stream_to_the_othe
     """Generation on one pool, everything else on another, each a rank process: the trained actor reaches the
     rollout pool after every update (`ProcessBackend.after_update`), and the train pool scores chunks while the
     rollout pool decodes; the numbers are those of the local backend, where both pools share one actor."""
-    from flowrl.runtime.procs import ProcessBackend
+    from flowrl.backends.process import ProcessBackend
 
     path = Path(ppo(n=4, batch=4).path)
     path.write_text(path.read_text() + DISAGGREGATED)
@@ -458,9 +457,10 @@ class _SlowTrain(LocalBackend):
         return {"rollout": rollout, "train": _Slow(groups["train"])}
 
 
-class _Slow:
+class _Slow(GroupProxy):
     def __init__(self, inner: Any):
-        self.inner, self.name, self.world = inner, inner.name, 1
+        super().__init__(inner)
+        self.inline = False
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         if method in ("logprobs", "values", "score"):

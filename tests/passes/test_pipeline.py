@@ -6,9 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from flowrl.cli import compile_file, main
+from flowrl.backends.threads import ThreadBackend
+from flowrl.cli import main
+from flowrl.compiler import compile_file
 from flowrl.passes import REGISTRY, names, select
-from flowrl.runtime.ranks import ThreadedLocalBackend
 from flowrl.viz.views import draw
 
 from .conftest import run_steps
@@ -59,6 +60,6 @@ def test_optimized_view_boxes_both_fused_stages() -> None:
 @pytest.mark.parametrize("flow", ["longtail_grpo", "longtail_ppo"])
 def test_long_tail_examples_run(flow: str) -> None:
     """Their pools as thread ranks (the local backend would run the fused stage unfused: one process)."""
-    g = compile_file(str(EXAMPLES / f"{flow}.flow"), ["prompts.batch=2", "actor.dim=32", "actor.layers=1"])
-    row = run_steps(g, steps=1, backend=ThreadedLocalBackend(1))[0].metrics
+    g = compile_file(str(EXAMPLES / f"{flow}.flow"), {"prompts.batch": "2", "actor.dim": "32", "actor.layers": "1"})
+    row = run_steps(g, steps=1, backend=ThreadBackend(1))[0].metrics
     assert row["fusion/chunks"] >= 1 and "fusion/fallback" not in row and "reward_mean" in row

@@ -79,7 +79,7 @@ def same_metrics() -> Callable[..., None]:
 def local_metrics(tiny: Callable[..., Graph], tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Any]:
     """The local backend's metrics for `tiny(**kw)`, run once per session (the reference the ray runs match).
     Placement does not change them: the local backend shares a model placed in two groups."""
-    from flowrl.runtime.runner import run
+    from flowrl import run
 
     cache: dict[str, list[dict[str, Any]]] = {}
 
@@ -93,11 +93,11 @@ def local_metrics(tiny: Callable[..., Graph], tmp_path_factory: pytest.TempPathF
 
 @pytest.fixture
 def use_backend(monkeypatch: pytest.MonkeyPatch) -> Callable[[Any], None]:
-    """Make `runner.run(..., backend="ray")` use this RayBackend instance (to look into it during the run)."""
-    from flowrl.runtime import runner
+    """Make `flowrl.run(..., backend="ray")` use this RayBackend instance (to look into it during the run)."""
+    from flowrl import backends
 
-    real = runner.make_backend
+    real = backends.make
 
     def install(backend: Any) -> None:
-        monkeypatch.setattr(runner, "make_backend", lambda name, **kw: backend if name == "ray" else real(name, **kw))
+        monkeypatch.setattr(backends, "make", lambda name, **kw: backend if name == "ray" else real(name, **kw))
     return install

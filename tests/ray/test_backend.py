@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 
+from flowrl import run
 from flowrl.errors import ExecutionError
 from flowrl.ir.graph import Graph
-from flowrl.runtime.runner import run
 
 pytestmark = [pytest.mark.ray, pytest.mark.usefixtures("ray_session")]
 ROOT = Path(__file__).resolve().parents[2]

@@ -13,9 +13,9 @@ import pytest
 import ray
 import torch
 
+import flowrl
 from flowrl.backends.ray import RayBackend
 from flowrl.ir.graph import Graph
-from flowrl.runtime import runner
 from flowrl.runtime.controller import Controller
 
 pytestmark = [pytest.mark.ray, pytest.mark.usefixtures("ray_session")]
@@ -61,7 +61,7 @@ def test_split_placement_syncs_weights_and_matches_the_local_run(
         seen[-1].update(took=took, equal=all(torch.equal(synced[k], trained[k]) for k in trained),
                         again=RayBackend.after_update(backend, "actor", "train"))
 
-    remote = runner.run(graph, out_dir=tmp_path, backend="ray", on_step=on_step)
+    remote = flowrl.run(graph, out_dir=tmp_path, backend="ray", on_step=on_step)
     same_metrics(local_metrics(reward="arith_partial"), remote.metrics)
     assert remote.metrics[0]["actor/grad_norm"] > 0  # the precondition of "stale" below
     assert [s["stale"] for s in seen] == [True, True, True]  # each update happened in `train` only
@@ -74,7 +74,7 @@ def test_split_placement_syncs_weights_and_matches_the_local_run(
 def test_the_controller_times_each_sync_as_its_own_node(tiny: Callable[..., Graph], tmp_path: Path,
                                                          local_metrics: Callable[..., Any],
                                                          same_metrics: Callable[..., None]) -> None:
-    remote = runner.run(tiny(placement=SPLIT, steps=2), out_dir=tmp_path, backend="ray")
+    remote = flowrl.run(tiny(placement=SPLIT, steps=2), out_dir=tmp_path, backend="ray")
     same_metrics(local_metrics(steps=2), remote.metrics)
     assert all(row["time/sync.actor"] > 0 for row in remote.metrics)
     events = json.loads((tmp_path / "trace.json").read_text(encoding="utf-8"))["traceEvents"]

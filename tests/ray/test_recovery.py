@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
+import flowrl
 from flowrl.backends.ray import RayBackend
 from flowrl.ir.graph import Graph
-from flowrl.runtime import runner
 
 pytestmark = [pytest.mark.ray, pytest.mark.usefixtures("ray_session")]
 
@@ -26,7 +26,7 @@ def _run(graph: Graph, out: Path, use_backend: Callable[[Any], None],
     backend = RayBackend(**options)
     use_backend(backend)
     restarts: list[int] = []
-    result = runner.run(graph, out_dir=out, backend="ray",
+    result = flowrl.run(graph, out_dir=out, backend="ray",
                         on_step=lambda step, row: restarts.append(backend.groups["colocated"].restarts))
     return result.metrics, restarts
 

@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
+import flowrl
 from flowrl.ir.graph import Graph
-from flowrl.runtime import runner
 
 pytestmark = [pytest.mark.ray, pytest.mark.usefixtures("ray_session")]
 
@@ -40,7 +40,7 @@ def test_one_rank_streams_and_matches_the_local_backend(tiny: Callable[..., Grap
                                                         local_metrics: Callable[..., Any]) -> None:
     g = tiny(steps=2, max_tokens=20, placement=PLACED)
     assert g.node("rollout").attrs.get("fusion") == "gen-infer:rollout"
-    metrics = runner.run(g, out_dir=tmp_path, backend="ray").metrics
+    metrics = flowrl.run(g, out_dir=tmp_path, backend="ray").metrics
     assert all("fusion/fallback" not in r and r["fusion/chunks"] >= 1 for r in metrics)
     _same(local_metrics(steps=2, max_tokens=20), metrics)
 
@@ -55,8 +55,8 @@ def test_two_ranks_stream_migrate_and_match_the_unfused_stage(tiny: Callable[...
     fused = flowrl.compile_flow(text, "/flows/tiny_grpo.flow", no_pass=["on-policy-logp"])
     eager = fused.with_nodes([n.with_attrs(migrate_below=0.9, chunk_forwards=where) if n.op == "generate" else n
                               for n in fused.nodes])
-    on = runner.run(eager, out_dir=tmp_path / "on", backend="ray").metrics
-    off = runner.run(flowrl.compile_flow(text, "/flows/tiny_grpo.flow", no_pass=["on-policy-logp", "fuse-gen-inference"]),
+    on = flowrl.run(eager, out_dir=tmp_path / "on", backend="ray").metrics
+    off = flowrl.run(flowrl.compile_flow(text, "/flows/tiny_grpo.flow", no_pass=["on-policy-logp", "fuse-gen-inference"]),
                      out_dir=tmp_path / "off", backend="ray").metrics
     assert all(r["fusion/workers"] == 2 and "fusion/fallback" not in r for r in on)
     if where == "own-rank":
@@ -106,3 +106,25 @@ def test_a_tail_exported_by_one_ray_rank_resumes_on_another_with_the_same_sample
     b = assemble(chunks, [c["sample"] for c in chunks])
     assert a["response_ids"].equal(b["response_ids"]) and a["response_mask"].equal(b["response_mask"])
     assert (a["gen_logp"] - b["gen_logp"]).abs().max() <= 1e-5
+
+
+def test_a_rank_lost_mid_stream_is_rebuilt_and_the_stage_runs_again_with_the_same_numbers(
+        flow_text: Any, tmp_path: Path) -> None:
+    """Rank 1 of the generating group dies while streaming step 2's chunks (the test hook exits its process once
+    its stream handed over a chunk): the group is rebuilt from the weights it held (step 1's update replayed),
+    the fused stage runs again from its start with the same seeds, and the run ends with the undisturbed metrics."""
+    from flowrl.backends.ray import RayBackend
+
+    text = flow_text(steps=3, max_tokens=20, replicas=2, placement=PLACED)
+    graph = flowrl.compile_flow(text, "/flows/tiny_grpo.flow")
+    assert graph.node("rollout").attrs.get("fusion") == "gen-infer:rollout"
+    # Model calls of a generating rank per step: generate_stream and the actor's update (actor -> gen).
+    hurt_backend = RayBackend(crash_on_call={"gen": {1: 3}})
+    restarts: list[int] = []
+    hurt = flowrl.run(graph, out_dir=tmp_path / "hurt", backend=hurt_backend,
+                      on_step=lambda step, row: restarts.append(hurt_backend.groups["gen"].restarts)).metrics
+    whole = flowrl.run(graph, out_dir=tmp_path / "whole", backend=RayBackend()).metrics
+    assert restarts == [0, 1, 1]
+    assert [r.get("fault/stage_retries", 0.0) for r in hurt] == [0.0, 1.0, 0.0]
+    assert all("fusion/fallback" not in r for r in hurt)
+    _same(whole, [{k: v for k, v in r.items() if not k.startswith("fault/")} for r in hurt])

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 import flowrl
+from flowrl import run
 from flowrl.cli import main
 from flowrl.errors import FlowError, RewardError
-from flowrl.runtime.runner import run
 
 TINY = """
 model actor : policy {{ source = "tiny:gpt2", layers = 1, dim = 32, heads = 2, charset = "0123456789+=", lr = 1e-3 }}

@@ -10,13 +10,13 @@ from flowrl.errors import Loc
 from flowrl.ir.graph import (
     DataDecl,
     Graph,
+    GroupDecl,
     ModelDecl,
     Node,
     PassRecord,
     PoolDecl,
     Range,
     RewardDecl,
-    WorkerGroup,
     frozen,
 )
 from flowrl.ir.verify import verify
@@ -63,8 +63,8 @@ def grpo() -> Graph:
     return verify(Graph(
         **_common("grpo_arith"), nodes=nodes,  # type: ignore[arg-type]
         pools=(PoolDecl("rollout", Range(2, 16), loc(20), elastic=True), PoolDecl("train", 8, loc(21))),
-        worker_groups=(WorkerGroup("rollout", ("actor",), "rollout", Range(2, 16)),
-                       WorkerGroup("train", ("actor", "ref"), "train")),
+        worker_groups=(GroupDecl("rollout", ("actor",), "rollout", Range(2, 16)),
+                       GroupDecl("train", ("actor", "ref"), "train")),
         template="grpo",
     ))
 
@@ -87,7 +87,7 @@ def ppo() -> Graph:
     )
     return verify(Graph(
         **_common("ppo_arith", (critic,)), nodes=nodes,  # type: ignore[arg-type]
-        worker_groups=(WorkerGroup("policy", ("actor", "ref")), WorkerGroup("critic", ("critic",))),
+        worker_groups=(GroupDecl("policy", ("actor", "ref")), GroupDecl("critic", ("critic",))),
         template="ppo",
     ))
 

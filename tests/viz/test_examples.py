@@ -58,7 +58,7 @@ def test_a_placed_flow_renders(tmp_path: Path) -> None:
 
 
 def _render_all(flows: list[Path], tmp_path: Path) -> None:
-    from flowrl.cli import compile_file
+    from flowrl.compiler import compile_file
 
     fmt = "svg" if shutil.which("dot") else "dot"
     for flow in flows:

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-import flowrl.cli
+import flowrl.compiler
 from flowrl.errors import FlowError
 from flowrl.ir.graph import Graph
 from flowrl.viz import render, render_graph
@@ -28,11 +28,11 @@ def compiled(monkeypatch: pytest.MonkeyPatch, graphs: Any) -> list[dict[str, Any
     """Stand in for the front end: `compile_file` returns the hand-built GRPO graph and records its calls."""
     calls: list[dict[str, Any]] = []
 
-    def fake(path: str, sets: Any = (), passes: str | None = None, no_pass: Any = ()) -> Graph:
-        calls.append({"path": path, "sets": list(sets), "passes": passes})
+    def fake(path: str, overrides: Any = None, *, passes: Any = None, no_pass: Any = (), with_pass: Any = ()) -> Graph:
+        calls.append({"path": path, "sets": dict(overrides or {}), "passes": passes})
         return graphs.optimized(graphs.grpo()) if passes is None else graphs.grpo()
 
-    monkeypatch.setattr(flowrl.cli, "compile_file", fake)
+    monkeypatch.setattr(flowrl.compiler, "compile_file", fake)
     return calls
 
 
@@ -80,8 +80,8 @@ def test_render_compiles_without_passes_for_the_parsed_stage(compiled: list[dict
                                                              tmp_path: Path) -> None:
     render("flows/x.flow", tmp_path / "p.dot", stage="parsed", sets=["actor.lr=1e-3"])
     render("flows/x.flow", tmp_path / "o.dot", stage="optimized")
-    assert compiled == [{"path": "flows/x.flow", "sets": ["actor.lr=1e-3"], "passes": ""},
-                        {"path": "flows/x.flow", "sets": [], "passes": None}]
+    assert compiled == [{"path": "flows/x.flow", "sets": {"actor.lr": "1e-3"}, "passes": []},
+                        {"path": "flows/x.flow", "sets": {}, "passes": None}]
     assert "cluster_fusion" not in (tmp_path / "p.dot").read_text(encoding="utf-8")
     assert "cluster_fusion" in (tmp_path / "o.dot").read_text(encoding="utf-8")
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from flowrl.ir.graph import Graph, PassRecord, PoolDecl, Range, WorkerGroup
+from flowrl.ir.graph import Graph, GroupDecl, PassRecord, PoolDecl, Range
 from flowrl.viz import render_graph, style
 from flowrl.viz.views import STAGES, draw
 
@@ -134,7 +134,7 @@ def test_placed_dispatches_and_collects_each_model_call(graphs: Any) -> None:
 
 def test_placed_draws_a_group_without_calls(graphs: Any) -> None:
     g = graphs.grpo()
-    g = replace(g, worker_groups=(*g.worker_groups, WorkerGroup("spare", ("ref",))))
+    g = replace(g, worker_groups=(*g.worker_groups, GroupDecl("spare", ("ref",))))
     source = draw(g, "placed").source
     assert "subgraph cluster_spare" in source and "ref: no calls" in source
 

@@ -1,15 +1,13 @@
-"""Data-parallel ranks in child processes (flowrl.runtime): real parallelism without Ray, for measurements.
+"""Process ranks (process backend): a worker group as `world` spawned processes, each with its own copy of the
+group's models (built from the same seed): real parallelism without Ray, on one machine.
 
-`ProcessRanks` is a worker group of `world` ranks, each a spawned process with its own copy of the group's
-models (built from the same seed). Every call runs on the ranks in parallel (no shared GIL), split by samples:
-generation, forwards, and updates too, as data parallelism: the ranks form a torch.distributed (gloo) group,
-so `TrainEngine` all-reduces gradients and the losses use the global mini-batch's denominators, and every rank
-ends the step with the same weights. Streams (`generate_stream`, `resume_stream`) cross the pipe item by item,
-with the rank's progress reports and the scheduler's export request (a multiprocessing Event) alongside, so
-`flowrl.runtime.streaming` drives these ranks as it drives in-process ones. `ProcessBackend(world)` gives every
-worker group such ranks; with a split placement (a model held by several groups, e.g. `actor.generate` on one
-pool and `actor.update` on another) `after_update` sends the trained weights to the other holders, as the Ray
-backend does. (The Ray backend is the distributed one; this is for measuring on one machine.)
+Calls are planned by `flowrl.runtime.dispatch` and run on the ranks at once (no shared GIL): generation, forwards,
+and updates too, as data parallelism: the ranks form a torch.distributed (gloo) group, so `TrainEngine`
+all-reduces gradients and the losses use the global mini-batch's denominators, and every rank ends the step with
+the same weights. Streams (`generate_stream`, `resume_stream`) cross the pipe item by item, with the rank's
+progress reports and the scheduler's export request (a multiprocessing Event) alongside, so the fused stage's
+scheduler drives these ranks as it drives in-process ones. A rank that dies is not restarted (the Ray backend is
+the fault-tolerant one): the step fails with the pipe's error.
 """
 
 from __future__ import annotations
@@ -18,7 +16,6 @@ import io
 import multiprocessing as mp
 import pickle
 import socket
-import time
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -28,11 +25,10 @@ from typing import Any
 import torch
 
 from flowrl.engines.streaming import StreamControl
-from flowrl.engines.training import merge_ranks
-from flowrl.ir.graph import Graph, ModelDecl
+from flowrl.ir.graph import ModelDecl
+from flowrl.runtime import dispatch
 from flowrl.runtime.chunks import STREAMS
-from flowrl.runtime.protocol import Done, Future, WorkerGroup
-from flowrl.runtime.ranks import SPLIT, split_call
+from flowrl.runtime.protocol import Future, done
 from flowrl.runtime.worker import ModelWorker
 
 
@@ -118,10 +114,14 @@ def _free_port() -> int:
 class ProcessRanks:
     """`world` spawned ranks holding the models `decls` of one worker group."""
 
+    inline = False
+    per_rank = True
+    why_not_per_rank = ""
+
     def __init__(self, name: str, decls: Sequence[ModelDecl], every: Sequence[ModelDecl], world: int, *,
                  seed: int, device: str = "cpu", threads: int = 1):
         self.name, self.world = name, world
-        self.models = [d.name for d in decls]
+        self.models = tuple(d.name for d in decls)
         self.pool = ThreadPoolExecutor(max_workers=world, thread_name_prefix=f"flowrl-{name}")
         ctx = mp.get_context("spawn")  # fork after torch has started threads is unsafe
         port = _free_port()
@@ -138,7 +138,7 @@ class ProcessRanks:
             self.conns.append(parent)
             self.exports.append(export)
             self.procs.append(proc)
-        self.pads = {m: int(self.on_rank(0, "_pad", m)) for m in self.models}
+        self.pads = {m: int(self.on_rank(0, "pad_id", m)) for m in self.models}
 
     # -- calls -------------------------------------------------------------------------------------------
     @staticmethod
@@ -175,47 +175,29 @@ class ProcessRanks:
             else:
                 raise payload
 
-    def _all(self, calls: Sequence[tuple[str, tuple[Any, ...], dict[str, Any]]]) -> list[Any]:
-        """One call per rank, all at once (collectives inside need every rank)."""
-        return list(self.pool.map(lambda r: self.on_rank(r, calls[r][0], *calls[r][1], **calls[r][2]),
-                                  range(self.world)))
-
     def call(self, method: str, *args: Any, dispatch: str = "split", **kwargs: Any) -> Future:
-        try:
-            return Done(self._call(method, args, kwargs))
-        except Exception as e:  # surfaced at result(), like a remote call's error
-            return Done(error=e)
+        return done(self._call, method, args, kwargs, dispatch)
 
-    def _call(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if method in SPLIT:
-            model = str(args[0])
-            return split_call(self.pool, self.on_rank, self.world, self.pads[model], method, *args, **kwargs)
-        if method == "update":
-            model, batch, attrs = args
-            shards = batch.split(self.world)
-            out = self._all([("update", (model, shards[r], attrs), kwargs) for r in range(self.world)])
-            return merge_ranks(out, [float(s["response_mask"].sum()) for s in shards])
-        if method == "update_fused":
-            models, batches, attrs = args
-            shards = [b.split(self.world) for b in batches]
-            out = self._all([("update_fused", (models, [s[r] for s in shards], attrs), kwargs)
-                             for r in range(self.world)])
-            merged = [merge_ranks([o["results"][i] for o in out], [float(s[r]["response_mask"].sum())
-                                                                    for r in range(self.world)])
-                      for i, s in enumerate(shards)]
-            return {"results": merged, "order": out[0]["order"]}
-        if method in ("load_state_dict", "load_weights"):
-            return self._all([(method, args, kwargs)] * self.world)[0]
-        return self.on_rank(0, method, *args, **kwargs)  # state_dict, weights: rank 0 (all ranks are equal)
+    def _call(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any], mode: str) -> Any:
+        p = dispatch.plan(method, args, kwargs, mode, self.world)
+        results = dispatch.run_plan(p, lambda c: self.on_rank(c.rank, method, *c.args, **c.kwargs), self.pool)
+        pad = self.pads.get(args[0], 0) if method == "generate" and args else 0
+        return dispatch.merge(p, results, pad)
+
+    def colocated(self, models: Sequence[str]) -> bool:
+        return all(m in self.models for m in models)  # each rank's models share its one process
+
+    def recover(self) -> None:
+        """Process ranks are not restarted (see the module docstring)."""
 
     def state_dict(self) -> dict[str, Any]:
-        return dict(self.on_rank(0, "state_dict"))
+        return dict(self._call("state_dict", (), {}, "rank0"))  # all ranks hold the same weights
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self._call("load_state_dict", (state,), {})
+        self._call("load_state_dict", (state,), {}, "broadcast")
 
     def load_weights(self, model: str, weights: Mapping[str, torch.Tensor]) -> None:
-        self._call("load_weights", (model, weights), {})
+        self._call("load_weights", (model, weights), {}, "broadcast")
 
     def close(self) -> None:
         for conn in self.conns:
@@ -223,39 +205,3 @@ class ProcessRanks:
         for proc in self.procs:
             proc.join(timeout=10)
         self.pool.shutdown(wait=True)
-
-
-class ProcessBackend:
-    """Every worker group as `world` spawned, data-parallel ranks."""
-
-    name = "local-processes"
-
-    def __init__(self, world: int = 2, threads: int = 1):
-        self.world, self.threads = world, threads
-        self.groups: list[ProcessRanks] = []
-
-    def start(self, graph: Graph, *, seed: int, device: str) -> dict[str, WorkerGroup]:
-        groups: dict[str, WorkerGroup] = {}
-        for wg in graph.worker_groups:
-            group = ProcessRanks(wg.name, [graph.model(m) for m in wg.models], graph.models, self.world, seed=seed,
-                                 device=device, threads=self.threads)
-            self.groups.append(group)
-            groups[wg.name] = group
-        return groups
-
-    def after_update(self, model: str, group: str) -> float:
-        """The controller's hook after `model.update` ran in `group`: seconds spent loading the new weights into
-        every rank of the other groups that hold `model` (0.0 when none does)."""
-        source = next(g for g in self.groups if g.name == group)
-        behind = [g for g in self.groups if g is not source and model in g.models]
-        if not behind:
-            return 0.0
-        began = time.perf_counter()
-        weights = source.on_rank(0, "weights", model)
-        for g in behind:
-            g.load_weights(model, weights)
-        return time.perf_counter() - began
-
-    def shutdown(self) -> None:
-        for g in self.groups:
-            g.close()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flowrl.backends.ray import dispatch
+from flowrl.runtime import dispatch
 from flowrl.runtime.batch import Batch
 
 

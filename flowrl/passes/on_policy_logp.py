@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from flowrl.ir.graph import Graph, Node
-from flowrl.passes import register
+from flowrl.passes.registry import register
 
 
 def why_not_reuse(graph: Graph, update: Node, src: Node) -> str | None:
@@ -41,7 +41,7 @@ def why_not_reuse(graph: Graph, update: Node, src: Node) -> str | None:
 
 @register("on-policy-logp", "drop the old-log-prob forward when the update takes one optimizer step on the "
           "rollout (epochs = 1, mini_batches = 1): the update's own log-probs, detached, are the same numbers")
-def reuse_logp(graph: Graph) -> tuple[Graph, list[str]]:
+def on_policy_logp(graph: Graph) -> tuple[Graph, list[str]]:
     notes: list[str] = []
     dropped: set[str] = set()
     rewritten: dict[str, Node] = {}

@@ -1,5 +1,7 @@
-"""Dispatch modes for the ray backend: how one call to a worker group becomes one call per rank, and how the
-ranks' results become one result again. Pure functions over `Batch`es (no Ray), so they are tested alone.
+"""Dispatch (flowrl.runtime): how one call to a worker group becomes one call per rank, and how the ranks'
+results become one result again. Every multi-rank backend (threads, process, ray, and the ones to come) does
+`plan` -> run the planned calls on its ranks -> `merge`, so a flow computes the same numbers on each of them.
+Pure functions over `Batch`es (no backend), tested alone.
 
 The mode is `Node.dispatch`, chosen by the compiler and printed by `flowrl compile`:
 - "split": the data argument (the first `Batch`, or list of `Batch`es as in `update_fused`) is cut into `world`
@@ -9,11 +11,16 @@ The mode is `Node.dispatch`, chosen by the compiler and printed by `flowrl compi
 - "broadcast": every rank gets the whole input; rank 0's result is returned (an update's metrics are always
   reduced over the ranks: every rank holds a share of the loss).
 - "rank0": only rank 0 runs.
+
+Ranks that share one copy of the weights (`shared_weights`: the thread ranks, one process) run a state-changing
+call once, on rank 0 with the whole input: that is what data-parallel ranks compute after their gradient
+all-reduce, and running it per shard would step the one optimizer `world` times.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,7 +32,7 @@ UPDATES = frozenset({"update", "update_fused"})  # optimizer steps: every rank m
 # Methods that change a rank's state: the group snapshots its weights after each one (for restarts).
 MUTATING = UPDATES | {"load_state_dict", "load_weights"}
 # Methods that run a model (the ones the test-only crash hook counts).
-MODEL_CALLS = UPDATES | {"generate", "logprobs", "values", "score"}
+MODEL_CALLS = UPDATES | {"generate", "logprobs", "values", "score", "generate_stream", "resume_stream"}
 
 
 class DispatchError(ValueError):
@@ -51,20 +58,22 @@ class Plan:
 
 def rank_seed(step_seed: int, rank: int) -> int:
     """Rank 0 keeps the step seed (so one rank samples exactly as the local backend); others get their own.
-    (The same derivation as the streaming scheduler's ranks, flowrl.runtime.streaming.)"""
+    (The fused stage's streaming ranks derive theirs the same way, so fused and unfused sample alike.)"""
     return step_seed if rank == 0 else (step_seed * 1_000_003 + rank * 7_919) % (2**31)
 
 
-def plan(method: str, args: Sequence[Any], kwargs: Mapping[str, Any], mode: str, world: int) -> Plan:
+def plan(method: str, args: Sequence[Any], kwargs: Mapping[str, Any], mode: str, world: int, *,
+         shared_weights: bool = False) -> Plan:
+    """The calls each rank gets. `shared_weights`: the ranks hold one copy of the weights (see the docstring)."""
     if mode not in MODES:
         raise DispatchError(f"unknown dispatch mode {mode!r} for {method} (expected one of {', '.join(MODES)})")
     args, kwargs = tuple(args), dict(kwargs)
     where = _data_arg(args)
-    if method in UPDATES and mode == "rank0" and world > 1:
+    if method in UPDATES and mode == "rank0" and world > 1 and not shared_weights:
         raise DispatchError(f"{method} with dispatch rank0 on {world} ranks would leave ranks 1..{world - 1} with "
                             "stale weights; use split (data parallel) or broadcast")
     tokens = _tokens(args, where)
-    if mode == "rank0" or world == 1:
+    if mode == "rank0" or world == 1 or (shared_weights and method in MUTATING):
         return Plan(method, mode, (RankCall(0, args, kwargs, 0, tokens),))
     if mode == "broadcast" or where is None:
         return _broadcast(method, args, kwargs, world, where, tokens)
@@ -122,8 +131,17 @@ def _tokens(args: Sequence[Any], where: int | None) -> tuple[float, ...]:
                  for b in (data if isinstance(data, list) else [data]))
 
 
-def merge(p: Plan, results: Sequence[Any]) -> Any:
-    """One result from the ranks' results (in rank order, one per `p.calls`)."""
+def run_plan(p: Plan, call: Callable[[RankCall], Any], pool: Executor | None = None) -> list[Any]:
+    """Every planned call, all at once on `pool` (collectives inside an update need every rank), results in
+    rank order. For the backends whose ranks are called synchronously (threads, process); Ray submits its own."""
+    if len(p.calls) == 1 or pool is None:
+        return [call(c) for c in p.calls]
+    return list(pool.map(call, p.calls))
+
+
+def merge(p: Plan, results: Sequence[Any], pad: int = 0) -> Any:
+    """One result from the ranks' results (in rank order, one per `p.calls`). `pad`: the token id that pads
+    the shards' rollouts to one width (the model's tokenizer's; masked out wherever it is read)."""
     if len(results) == 1:
         return results[0]
     if p.method == "update":
@@ -135,7 +153,8 @@ def merge(p: Plan, results: Sequence[Any]) -> Any:
     if p.mode != "split":
         return results[0]
     if p.method == "generate":
-        return Batch.concat([_shift_groups(b, c.offset) for b, c in zip(results, p.calls, strict=True)])
+        shifted = [_shift_groups(b, c.offset) for b, c in zip(results, p.calls, strict=True)]
+        return Batch.concat(shifted, fill={"prompt_ids": pad, "response_ids": pad})
     if all(isinstance(r, Batch) for r in results):
         return Batch.concat(list(results))
     return results[0]

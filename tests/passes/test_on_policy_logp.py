@@ -7,7 +7,7 @@ from collections.abc import Callable
 import pytest
 
 from flowrl.ir.graph import Graph
-from flowrl.passes.on_policy import reuse_logp
+from flowrl.passes.on_policy_logp import on_policy_logp
 
 from .conftest import PPO_UPDATES, passes, run_steps
 
@@ -20,7 +20,7 @@ def body(extra: str = "", before: str = "", after: str = "") -> str:
 
 
 def test_drops_the_forward_of_an_on_policy_update(ppo: Callable[..., Graph]) -> None:
-    g, notes = reuse_logp(ppo())
+    g, notes = on_policy_logp(ppo())
     assert "old_logp" not in [n.id for n in g.nodes]
     update = g.node("actor.update")
     assert update.input("old_logp") is None and update.attrs["old_logp"] == "detached"
@@ -51,14 +51,14 @@ REFUSALS = [
 @pytest.mark.parametrize(("text", "note"), [r[1:] for r in REFUSALS], ids=[r[0] for r in REFUSALS])
 def test_refuses(ppo: Callable[..., Graph], text: str, note: str) -> None:
     g = ppo(body=text)
-    out, notes = reuse_logp(g)
+    out, notes = on_policy_logp(g)
     assert out == g
     assert any(n.endswith(note) for n in notes), notes
 
 
 def test_nothing_to_do_without_old_logp(ppo: Callable[..., Graph]) -> None:
     g = ppo(body="actor.update(rollout, advantages = adv)\n    " + CRITIC)
-    assert reuse_logp(g) == (g, ["nothing to do: no update reads an old_logp"])
+    assert on_policy_logp(g) == (g, ["nothing to do: no update reads an old_logp"])
 
 
 def test_idempotent(ppo: Callable[..., Graph]) -> None:
