@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 from flowrl.compiler import compile_file, parse_sets  # noqa: E402
 from flowrl.ir.graph import Graph  # noqa: E402
 from flowrl.runtime.controller import Controller, StepResult  # noqa: E402
-from flowrl.runtime.runner import loaders_of, rewards_of  # noqa: E402
+from flowrl.runtime.runner import loaders_of, scorers_of  # noqa: E402
 
 
 @dataclass
@@ -46,7 +46,7 @@ class Side:
 def make_side(name: str, graph: Graph, backend: Any, seed: int = 0) -> Side:
     torch.manual_seed(seed)
     groups = backend.start(graph, seed=seed, device="cpu")
-    ctl = Controller(graph, groups, loaders_of(graph, seed), rewards_of(graph), seed=seed,
+    ctl = Controller(graph, groups, loaders_of(graph, seed), scorers_of(graph), seed=seed,
                      after_update=getattr(backend, "after_update", None))  # split placement's weight sync
     return Side(name, graph, ctl, backend)
 

@@ -150,9 +150,13 @@ class ModelDecl(Located):
 
 @dataclass(frozen=True)
 class RewardDecl(Located):
+    """`reward NAME = "pkg.fn" { entries }` or `reward NAME = KIND("address") { entries }` (KIND: `http`)."""
+
     name: Ident
     target: Literal
     span: Span
+    kind: Ident | None = None
+    entries: tuple[Entry, ...] = ()
 
 
 @dataclass(frozen=True)

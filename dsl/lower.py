@@ -19,7 +19,16 @@ from flowrl import registry
 from flowrl.data.jsonl import read_jsonl
 from flowrl.errors import DataError
 from flowrl.ir.graph import ROLES, DataDecl, Graph, ModelDecl, Range, Ref, RewardDecl, Value, frozen
-from flowrl.ir.signatures import DATA_KEYS, ENGINES, MODEL_KEYS, RUN_KEYS
+from flowrl.ir.signatures import (
+    DATA_KEYS,
+    ENGINES,
+    HTTP_REWARD_KEYS,
+    MODEL_KEYS,
+    ON_ERROR,
+    REWARD_KEYS,
+    REWARD_KINDS,
+    RUN_KEYS,
+)
 
 from . import ast
 from .diagnostics import Reporter, Source, did_you_mean
@@ -88,10 +97,12 @@ class _Lowering:
         self._unique_names([*models_ast, *rewards_ast, *data_ast])
         iterations = [d for d in self.module.decls if isinstance(d, (ast.UseDecl, ast.StepDecl))]
         ovr = parse_overrides(self.overrides, [d.name.name for d in models_ast], [d.name.name for d in data_ast],
-                              any(isinstance(d, ast.UseDecl) for d in iterations), self.rep)
+                              any(isinstance(d, ast.UseDecl) for d in iterations), self.rep,
+                              rewards=[d.name.name for d in rewards_ast])
         with _importable(self.folder):
             imports = self._imports()
-            rewards = [self._reward(d) for d in rewards_ast]
+            self._ovr = ovr
+            rewards = [self._reward(d, ovr) for d in rewards_ast]
         models, replicas_at = self._models(models_ast, ovr)
         data, sources = self._data(data_ast, ovr)
         run = self._run(ovr)
@@ -154,8 +165,14 @@ class _Lowering:
             out.append(name)
         return out
 
-    def _reward(self, d: ast.RewardDecl) -> RewardDecl:
+    def _reward(self, d: ast.RewardDecl, ovr: Overrides) -> RewardDecl:
         target = str(d.target.value)
+        extra = ovr.rewards.get(d.name.name, ())
+        if d.kind is not None:
+            return self._remote_reward(d, extra)
+        block = self._block(d.entries, extra, ovr, REWARD_KEYS, "reward")
+        options = {k: v for k, v in self._filled(block, REWARD_KEYS).items() if k in block}
+        self._check_reward_options(d, block, options)
         batched = False
         try:
             batched = registry.resolve_reward(target).batched
@@ -164,7 +181,39 @@ class _Lowering:
             self.rep.error(self.src, f"cannot resolve reward \"{target}\": {e}", d.target,
                            hint=hint or "a reward is a dotted path to a Python callable (\"pkg.module.fn\") or a "
                                         "name registered with @flowrl.reward (add `import \"pkg.module\"`)")
-        return RewardDecl(d.name.name, target, self.src.loc(d), batched)
+        return RewardDecl(d.name.name, target, self.src.loc(d), batched, "python", frozen(options))
+
+    def _remote_reward(self, d: ast.RewardDecl, extra: Sequence[ast.Entry]) -> RewardDecl:
+        """`reward NAME = http("url") { ... }`: a scoring service; every key gets its value or default."""
+        assert d.kind is not None
+        kind, url = d.kind.name, str(d.target.value)
+        if kind not in REWARD_KINDS:
+            self.rep.error(self.src, f"unknown reward kind `{kind}`", d.kind,
+                           hint=did_you_mean(kind, REWARD_KINDS) or 'write `http("http://host:port/path")`, or a '
+                                                                      'Python reward as a string `"pkg.module.fn"`')
+        elif not url.startswith(("http://", "https://")):
+            self.rep.error(self.src, f"`http` takes a URL starting with http:// or https://, got \"{url}\"", d.target,
+                           hint='write `http("http://127.0.0.1:8000/score")`')
+        block = self._block(d.entries, extra, self._ovr, HTTP_REWARD_KEYS, "http reward")
+        options = self._filled(block, HTTP_REWARD_KEYS)
+        self._check_reward_options(d, block, options)
+        return RewardDecl(d.name.name, url, self.src.loc(d), True, kind, frozen(options))
+
+    def _check_reward_options(self, d: ast.RewardDecl, block: Mapping[str, _Entry],
+                              options: Mapping[str, Value]) -> None:
+        if "on_error" in block and options.get("on_error") not in ON_ERROR:
+            self.rep.error(block["on_error"].src, f"`on_error` must be one of {', '.join(map(repr, ON_ERROR))}",
+                           block["on_error"].entry.value, hint='write `on_error = "zero"` to score a failed sample 0')
+        for key, least in (("workers", 0), ("retries", 0), ("batch", 1), ("concurrency", 1)):
+            if key in block and isinstance(options.get(key), int) and int(str(options[key])) < least:
+                self.rep.error(block[key].src, f"`{key}` must be at least {least}", block[key].entry.value)
+        if "timeout" in block and float(str(options.get("timeout", 0))) < 0:
+            self.rep.error(block["timeout"].src, "`timeout` must be at least 0 (seconds; 0: no limit)",
+                           block["timeout"].entry.value)
+        if d.kind is None and float(str(options.get("timeout", 0) or 0)) > 0 and not int(str(options.get("workers", 0))):
+            self.rep.error(block["timeout"].src, "a reward `timeout` needs `workers` of its own (a call on the "
+                                                 "controller cannot be stopped)", block["timeout"].entry.key,
+                           hint="add `workers = 1` (or more, to score samples in parallel)")
 
     # ---- blocks ---------------------------------------------------------------------------------
 

@@ -8,7 +8,7 @@ line each, so a bad value is reported with a caret like any other error.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from flowrl.errors import Diagnostic, FlowError, Loc
@@ -28,12 +28,13 @@ class Overrides:
     src: Source
     models: dict[str, list[ast.Entry]] = field(default_factory=dict)
     data: dict[str, list[ast.Entry]] = field(default_factory=dict)
+    rewards: dict[str, list[ast.Entry]] = field(default_factory=dict)
     run: list[ast.Entry] = field(default_factory=list)
     use: list[ast.Arg] = field(default_factory=list)
 
 
 def parse_overrides(overrides: Mapping[str, str] | None, models: list[str], data: list[str], has_use: bool,
-                    rep: Reporter) -> Overrides:
+                    rep: Reporter, rewards: Sequence[str] = ()) -> Overrides:
     # one line per override in the `<overrides>` source (a value is a single line by nature)
     items = [(k.replace("\n", " "), v.replace("\n", " ")) for k, v in (overrides or {}).items()]
     lines = [f"{k}={v}" for k, v in items]
@@ -64,6 +65,8 @@ def parse_overrides(overrides: Mapping[str, str] | None, models: list[str], data
             out.models.setdefault(target, []).append(ast.Entry(name_ident, value, span))
         elif target in data:
             out.data.setdefault(target, []).append(ast.Entry(name_ident, value, span))
+        elif target in rewards:
+            out.rewards.setdefault(target, []).append(ast.Entry(name_ident, value, span))
         else:
             hint = did_you_mean(target, [*models, *data, "run", "use"]) or (
                 f"models: {', '.join(models) or 'none'}; data: {', '.join(data) or 'none'}; or `run`, `use`")

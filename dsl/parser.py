@@ -218,8 +218,14 @@ class _Builder:
             return ast.ModelDecl(self.ident(kids[0]), self.ident(kids[1]),
                                  self.block(kids[2] if len(kids) > 2 else None), span)
         if kind == "reward_decl":
-            assert isinstance(kids[1], Token)
-            return ast.RewardDecl(self.ident(kids[0]), self.string(kids[1]), span)
+            source = kids[1]
+            block = self.block(kids[2] if len(kids) > 2 else None)
+            if isinstance(source, Tree):  # reward_call: KIND("address")
+                kind_tok, address = source.children
+                assert isinstance(address, Token)
+                return ast.RewardDecl(self.ident(kids[0]), self.string(address), span, self.ident(kind_tok), block)
+            assert isinstance(source, Token)
+            return ast.RewardDecl(self.ident(kids[0]), self.string(source), span, None, block)
         if kind == "data_decl":
             has_block = bool(kids) and isinstance(kids[-1], Tree) and kids[-1].data == "block"
             args = kids[2:-1] if has_block else kids[2:]

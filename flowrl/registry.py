@@ -7,7 +7,8 @@ imports the module so its registrations become visible. Rewards may also be name
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
+import inspect
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -81,3 +82,12 @@ def resolve_reward(target: str) -> RewardFn:
     if not callable(obj):
         raise ResolveError(f"'{target}' is not callable")
     return RewardFn(target, obj, bool(getattr(obj, "__flowrl_batched__", False)))
+
+
+def extra_columns(fn: Callable[..., Any], row: Mapping[str, Any]) -> dict[str, Any]:
+    """The data row's columns a reward function accepts (all of them if it takes **kwargs)."""
+    params = inspect.signature(fn).parameters
+    cols = {k: v for k, v in row.items() if k != "prompt"}
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return cols
+    return {k: v for k, v in cols.items() if k in params}

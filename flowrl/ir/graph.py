@@ -70,12 +70,16 @@ class ModelDecl:
 
 @dataclass(frozen=True)
 class RewardDecl:
-    """`reward NAME = "dotted.path"` or a registered name; `target` is what it resolved to."""
+    """`reward NAME = "dotted.path"` or a registered name (`kind` "python": `target` is what it resolved to), or
+    `reward NAME = http("url")` (`kind` "http": `target` is the URL). `options`: its block's keys, checked
+    (workers, timeout, on_error; for http also batch, retries, concurrency)."""
 
     name: str
     target: str
     loc: Loc
     batched: bool = False
+    kind: str = "python"
+    options: Mapping[str, Value] = field(default_factory=frozen)
 
 
 @dataclass(frozen=True)

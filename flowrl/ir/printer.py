@@ -48,7 +48,9 @@ def to_text(g: Graph) -> str:
         extra.update(m.config)
         lines.append(f"model {m.name} : {m.role} <- {src} {{{_kv(extra)}}}")
     for r in g.rewards:
-        lines.append(f"reward {r.name} = {r.target}" + (" (batched)" if r.batched else ""))
+        source = f'http("{r.target}")' if r.kind == "http" else r.target
+        opts = ", ".join(f"{k} = {json.dumps(_json_value(v))}" for k, v in r.options.items())
+        lines.append(f"reward {r.name} = {source}" + (" (batched)" if r.batched else "") + (f" {{ {opts} }}" if opts else ""))
     for d in g.data:
         lines.append(f"data {d.name} = {d.kind}({d.path.rsplit('/', 1)[-1]}) {{{_kv(d.options)}}}")
     for p in g.pools:
@@ -90,7 +92,8 @@ def to_json(g: Graph) -> dict[str, Any]:
             }
             for m in g.models
         ],
-        "rewards": [{"name": r.name, "target": r.target, "batched": r.batched} for r in g.rewards],
+        "rewards": [{"name": r.name, "target": r.target, "batched": r.batched, "kind": r.kind,
+                     "options": _json_value(r.options)} for r in g.rewards],
         "data": [{"name": d.name, "kind": d.kind, "path": d.path, "options": _json_value(d.options)}
                  for d in g.data],
         "nodes": [

@@ -172,6 +172,23 @@ DATA_KEYS: dict[str, tuple[str, Value]] = {
     "limit": ("int", 0),  # use only the first N rows (0 = all)
 }
 
+ON_ERROR = ("fail", "zero")  # a reward that times out or crashes: fail the step, or score 0 and count it
+# `reward NAME = "pkg.fn" { ... }`: only the keys written are kept (none: called inline, as a plain function).
+REWARD_KEYS: dict[str, tuple[str, Value]] = {
+    "workers": ("int", 0),  # worker processes scoring samples in parallel (0: inline on the controller)
+    "timeout": ("float", 0.0),  # seconds a sample may take (0: no limit); needs workers >= 1
+    "on_error": ("str", "fail"),  # one of ON_ERROR
+}
+# `reward NAME = http("url") { ... }`
+HTTP_REWARD_KEYS: dict[str, tuple[str, Value]] = {
+    "batch": ("int", 32),  # samples per POST
+    "timeout": ("float", 10.0),  # seconds per request
+    "retries": ("int", 2),  # tries after the first, on refused connections, timeouts and 5xx
+    "concurrency": ("int", 4),  # requests in flight at once
+    "on_error": ("str", "fail"),
+}
+REWARD_KINDS = ("http",)
+
 RUN_KEYS: dict[str, tuple[str, Value]] = {
     "steps": ("int", 100),
     "seed": ("int", 0),

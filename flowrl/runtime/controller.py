@@ -12,11 +12,11 @@ from dataclasses import dataclass, field
 from flowrl.data.jsonl import PromptLoader
 from flowrl.errors import Diagnostic, ExecutionError, FlowError
 from flowrl.ir.graph import Graph, Node
-from flowrl.registry import RewardFn
 from flowrl.runtime.batch import Batch, training_batch
-from flowrl.runtime.functions import call_function, score_rollout
+from flowrl.runtime.functions import call_function
 from flowrl.runtime.fusion import StageRun, run_stage
 from flowrl.runtime.protocol import RankLostError, WorkerGroup
+from flowrl.runtime.scoring import Scorer
 
 MAX_STAGE_RETRIES = 3  # a fused stage re-run after lost ranks: a rank that keeps dying is a bug, not bad luck
 
@@ -45,7 +45,7 @@ class Controller:
     model weights; all tensor math it does itself is the cheap per-sample kind (advantages, rewards)."""
 
     def __init__(self, graph: Graph, groups: Mapping[str, WorkerGroup], loaders: Mapping[str, PromptLoader],
-                 rewards: Mapping[str, RewardFn], *, seed: int, clock_start: float | None = None,
+                 rewards: Mapping[str, Scorer], *, seed: int, clock_start: float | None = None,
                  after_update: Callable[[str, str], float] | None = None):
         self.graph, self.groups, self.loaders, self.rewards = graph, dict(groups), dict(loaders), dict(rewards)
         self.seed = seed
@@ -84,6 +84,9 @@ class Controller:
                 result.metrics[f"time/{r.node.id}"] = dur
             self._sync_weights(ran, step, result)
         result.metrics.update(_summary(self.graph, values))
+        for scorer in self.rewards.values():
+            if scorer.overlaps:  # workers or a service: what `on_error = "zero"` absorbed this step
+                result.metrics.update(scorer.take_counts())
         result.values = values
         return result
 
@@ -136,7 +139,7 @@ class Controller:
             return _prompt_batch(self.loaders[node.id])
         if node.op == "reward":
             name = str(attrs["fn"])
-            return score_rollout(name, self.rewards[name], inputs["rollout"])
+            return self.rewards[name].score(inputs["rollout"])
         if node.op == "fn":
             return call_function(str(attrs["fn"]), inputs, attrs)
         group = self.groups[node.worker_group]

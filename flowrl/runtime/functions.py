@@ -6,7 +6,6 @@ Each built-in takes the `Batch`es bound to its node inputs and the node's litera
 
 from __future__ import annotations
 
-import inspect
 import math
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -16,7 +15,7 @@ import torch
 from flowrl.algos import gae, grpo_advantages, kl, reinforce_pp_returns, rloo_advantages, whiten
 from flowrl.errors import Diagnostic, RewardError
 from flowrl.registry import FUNCTIONS as USER_FUNCTIONS
-from flowrl.registry import RewardFn
+from flowrl.registry import RewardFn, extra_columns
 from flowrl.runtime.batch import Batch
 
 
@@ -120,15 +119,6 @@ def score_rollout(name: str, reward: RewardFn, rollout: Batch) -> Batch:
     return rollout.derive("scores", scores=torch.tensor(values, dtype=torch.float32))
 
 
-def _extra(fn: Callable[..., Any], row: Mapping[str, Any]) -> dict[str, Any]:
-    """The data row's columns the function accepts (all of them if it takes **kwargs)."""
-    params = inspect.signature(fn).parameters
-    cols = {k: v for k, v in row.items() if k != "prompt"}
-    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
-        return cols
-    return {k: v for k, v in cols.items() if k in params}
-
-
 def _sample_error(name: str, index: int, prompt: str, response: str, problem: str) -> RewardError:
     return RewardError(Diagnostic(
         f"reward '{name}' {problem} on sample {index}",
@@ -138,7 +128,7 @@ def _sample_error(name: str, index: int, prompt: str, response: str, problem: st
 
 def _call_one(name: str, reward: RewardFn, i: int, prompt: str, response: str, row: Mapping[str, Any]) -> float:
     try:
-        value = reward.fn(prompt, response, **_extra(reward.fn, row))
+        value = reward.fn(prompt, response, **extra_columns(reward.fn, row))
     except Exception as e:  # the user's function failed: say which sample made it fail
         raise _sample_error(name, i, prompt, response, f"raised {type(e).__name__}: {e}") from e
     try:

@@ -10,7 +10,7 @@ import json
 import os
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,10 +21,10 @@ from flowrl.data.jsonl import PromptLoader, read_jsonl
 from flowrl.errors import Diagnostic, FlowError
 from flowrl.ir.graph import Graph
 from flowrl.ir.printer import to_json_text, to_text
-from flowrl.registry import RewardFn, resolve_reward
 from flowrl.runtime import report
 from flowrl.runtime.controller import Controller, Span
 from flowrl.runtime.protocol import Backend, WorkerGroup
+from flowrl.runtime.scoring import Scorer, make_scorer
 
 CKPT_DIR = "checkpoints"
 
@@ -41,8 +41,16 @@ def last_checkpoint(out_dir: Path) -> Path | None:
     return found[-1] if found else None
 
 
-def rewards_of(graph: Graph) -> dict[str, RewardFn]:
-    return {r.target: resolve_reward(r.target) for r in graph.rewards}
+def scorers_of(graph: Graph) -> dict[str, Scorer]:
+    """A scorer per reward (by its target, as reward nodes name it); worker processes start now, warm by the
+    first step. Close them with `close_scorers`."""
+    folder = os.path.dirname(os.path.abspath(graph.path)) if graph.path else "."
+    return {r.target: make_scorer(r, imports=graph.imports, folder=folder) for r in graph.rewards}
+
+
+def close_scorers(scorers: Mapping[str, Scorer]) -> None:
+    for s in scorers.values():
+        s.close()
 
 
 def loaders_of(graph: Graph, seed: int) -> dict[str, PromptLoader]:
@@ -76,12 +84,14 @@ def run(graph: Graph, *, out_dir: str | Path, backend: Backend, steps: int | Non
 
     (out / "graph.txt").write_text(to_text(graph), encoding="utf-8")
     (out / "graph.json").write_text(to_json_text(graph), encoding="utf-8")
-    loaders, rewards = loaders_of(graph, seed), rewards_of(graph)
+    loaders = loaders_of(graph, seed)
     metrics_path, trace_path = out / "metrics.jsonl", out / "trace.json"
 
     be = backend
     t0 = time.perf_counter()
+    rewards: dict[str, Scorer] = {}
     try:
+        rewards = scorers_of(graph)
         groups = be.start(graph, seed=seed, device=dev)
         start = 0
         events: list[dict[str, Any]] = []
@@ -115,6 +125,7 @@ def run(graph: Graph, *, out_dir: str | Path, backend: Backend, steps: int | Non
             about["unfused"] = dict(ctl.declined)
             (out / "run.json").write_text(json.dumps(about, indent=2), encoding="utf-8")
     finally:
+        close_scorers(rewards)
         be.shutdown()
     metrics = report.read_metrics(metrics_path)
     if metrics:

@@ -15,7 +15,7 @@ from flowrl.ir.graph import Graph
 from flowrl.passes import run_passes, select
 from flowrl.runtime.controller import Controller, StepResult
 from flowrl.runtime.protocol import Backend
-from flowrl.runtime.runner import loaders_of, rewards_of
+from flowrl.runtime.runner import loaders_of, scorers_of
 
 SYSTEM = "12+34+56+78+90="  # a shared opening of >= 16 tokens (BOS + 15 characters)
 MODEL = 'source = "tiny:gpt2", layers = 1, dim = 32, heads = 2, charset = "0123456789+="'
@@ -91,7 +91,7 @@ def run_steps(graph: Graph, steps: int = 2, backend: Backend | None = None) -> l
     be = backend or LocalBackend()
     groups = be.start(graph, seed=5, device="cpu")
     try:
-        ctl = Controller(graph, groups, loaders_of(graph, 5), rewards_of(graph), seed=5,
+        ctl = Controller(graph, groups, loaders_of(graph, 5), scorers_of(graph), seed=5,
                          after_update=be.after_update)
         return [ctl.step(s) for s in range(1, steps + 1)]
     finally:

@@ -139,10 +139,10 @@ def test_failing_reward_names_node_and_sample(tmp_path: Path, capsys: pytest.Cap
         run(flowrl.load(str(flow)), out_dir=tmp_path / "out", steps=1)
     text = err.value.render()
     assert "while executing scores = reward(rollout)" in text
-    assert "reward 'boom' raised ZeroDivisionError: no reward for" in text and "sample 0" in text
+    assert "reward 'correct' raised ZeroDivisionError: no reward for" in text and "sample 0" in text  # the flow's name
     assert main(["run", str(flow), "--steps", "1", "--out", str(tmp_path / "o2"), "--quiet"]) == 1
     err_text = capsys.readouterr().err
-    assert "Traceback" not in err_text and "reward 'boom' raised" in err_text
+    assert "Traceback" not in err_text and "reward 'correct' raised" in err_text
 
 
 def test_bad_data_line_is_reported_at_check_time(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

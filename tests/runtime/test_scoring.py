@@ -1,0 +1,110 @@
+"""Rewards scored by worker processes: parallel and equal to inline scoring; a sample that hangs or kills its
+worker fails the step with a message naming the reward, the sample and what happened, keeping what the run had
+written, or, with `on_error = "zero"`, scores 0, is counted, and the run goes on with a fresh worker."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import flowrl
+from flowrl.errors import RewardError
+
+REWARDS = '''
+import os, signal, threading
+from pathlib import Path
+import flowrl
+
+HERE = Path(__file__).parent
+
+
+def _armed():  # the test arms the bad behaviour after step 1 by writing this file
+    return (HERE / "armed").exists()
+
+
+@flowrl.reward("hangs")
+def hangs(prompt, response, **_):
+    if _armed() and prompt.startswith("1"):
+        threading.Event().wait()  # never returns: only the timeout ends it
+    return float(len(response))
+
+
+@flowrl.reward("crashes")
+def crashes(prompt, response, **_):
+    if _armed() and prompt.startswith("1"):
+        os.kill(os.getpid(), signal.SIGSEGV)
+    return float(len(response))
+
+
+@flowrl.reward("plain")
+def plain(prompt, response, **_):
+    return float(len(response)) + 0.5 * prompt.count("1")
+'''
+
+FLOW = """
+import "my_rewards"
+model actor : policy {{ source = "tiny:gpt2", layers = 1, dim = 32, heads = 2, charset = "0123456789+=", lr = 1e-3 }}
+model ref : reference {{ source = actor }}
+reward r = "{reward}" {block}
+data prompts = jsonl("data.jsonl") {{ batch = 4, shuffle = false }}
+use grpo(reward = r, group = 4, max_tokens = 3, kl_coef = 0.01)
+run {{ steps = 3, seed = 3, checkpoint_every = 1 }}
+"""
+
+
+def _flow(tmp: Path, reward: str, block: str) -> Path:
+    rows = [{"prompt": f"{a}+{b}=", "answer": a + b} for a in range(3) for b in range(3)]
+    (tmp / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp / "my_rewards.py").write_text(REWARDS)
+    path = tmp / f"{reward}.flow"
+    path.write_text(FLOW.format(reward=reward, block=block))
+    return path
+
+
+def _arm(tmp: Path) -> object:
+    def on_step(step: int, row: object) -> None:
+        if step == 1:
+            (tmp / "armed").write_text("")
+    return on_step
+
+
+def _scores(metrics: list[dict]) -> list[float]:
+    return [r["reward_mean"] for r in metrics]
+
+
+def test_worker_processes_score_as_inline_scoring_does(tmp_path: Path) -> None:
+    inline = flowrl.run(flowrl.load(str(_flow(tmp_path, "plain", ""))), out_dir=tmp_path / "a").metrics
+    pooled = flowrl.run(flowrl.load(str(_flow(tmp_path, "plain", "{ workers = 2, timeout = 30 }"))),
+                        out_dir=tmp_path / "b").metrics
+    assert _scores(pooled) == _scores(inline)
+    assert all(r["reward/r/errors"] == 0 and r["reward/r/timeouts"] == 0 for r in pooled)
+
+
+@pytest.mark.parametrize("reward,what", [("hangs", "timed out after 0.5 s"),
+                                         ("crashes", "worker died: signal 11 (SIGSEGV)")])
+def test_a_sample_that_hangs_or_kills_its_worker_fails_the_step_and_keeps_the_run(
+        tmp_path: Path, reward: str, what: str) -> None:
+    out = tmp_path / "out"
+    graph = flowrl.load(str(_flow(tmp_path, reward, "{ workers = 2, timeout = 0.5 }")))
+    with pytest.raises(RewardError) as err:
+        flowrl.run(graph, out_dir=out, on_step=_arm(tmp_path))
+    text = err.value.render()
+    assert "while executing scores = reward(rollout)" in text
+    assert f"error: reward 'r' {what} on sample " in text
+    assert "hint: prompt='1+" in text  # the sample's prompt and response
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1]  # step 1 is kept, and its checkpoint
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_000001.pt"]
+
+
+@pytest.mark.parametrize("reward,counter", [("hangs", "reward/r/timeouts"), ("crashes", "reward/r/errors")])
+def test_on_error_zero_scores_the_sample_zero_counts_it_and_goes_on(tmp_path: Path, reward: str,
+                                                                    counter: str) -> None:
+    graph = flowrl.load(str(_flow(tmp_path, reward, '{ workers = 2, timeout = 0.5, on_error = "zero" }')))
+    rows = flowrl.run(graph, out_dir=tmp_path / "out", on_step=_arm(tmp_path)).metrics
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    # step 2 holds prompts 1+1, 1+2, 2+0, 2+1 (four samples each): the eight of the first two are zeroed; the
+    # killed workers were replaced, so step 3 (2+2, 0+0, 0+1, 0+2) is scored in full again
+    assert [r[counter] for r in rows] == [0, 8, 0]
