@@ -19,6 +19,20 @@ def forwards_over(graph: Graph, gen: Node) -> list[Node]:
     return [n for n in graph.nodes if n.op in FORWARD_OPS and n.input("rollout") == gen.id]
 
 
+def rewards_over(graph: Graph, gen: Node) -> list[Node]:
+    """The reward calls that score `gen`'s rollout, in schedule order."""
+    return [n for n in graph.nodes if n.op == "reward" and n.input("rollout") == gen.id]
+
+
+def scored_beside(graph: Graph, reward: Node) -> bool:
+    """Whether a reward call is scored by workers of its own (`workers >= 1` or `http(...)`), not on the
+    controller's thread: then it can score finished samples while generation goes on."""
+    decl = next((r for r in graph.rewards if r.target == reward.attrs.get("fn")), None)
+    if decl is None:
+        return False
+    return decl.kind == "http" or int(str(decl.options.get("workers", 0) or 0)) > 0
+
+
 def updates_over(graph: Graph, gen: Node) -> list[Node]:
     """The update nodes that train on `gen`'s rollout, in schedule order."""
     return [n for n in graph.nodes if n.op == "update" and n.input("rollout") == gen.id]

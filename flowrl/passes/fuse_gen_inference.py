@@ -13,13 +13,15 @@ holds the same weights during the stage, so once a generation rank is done it ta
 for that forward (RLHFuse: freed generation workers run the inference). At run time
 (`flowrl.runtime.streaming`) generation hands finished samples downstream in chunks, the forwards run on each
 chunk while the tail still decodes, and results are put back in sample order, so every number downstream is
-the one the unfused step computes.
+the one the unfused step computes. A reward scored by workers of its own (`reward r = "..." { workers = 4 }` or
+`http(...)`) joins the stage too: each chunk is handed to its workers as it arrives, so a slow reward is scored
+while the tail still decodes (a stage of generation and such rewards alone fuses on any backend).
 """
 
 from __future__ import annotations
 
 from flowrl.ir.graph import Graph, Node
-from flowrl.passes.common import forwards_over, position, rollouts
+from flowrl.passes.common import forwards_over, position, rewards_over, rollouts, scored_beside
 from flowrl.passes.registry import register
 
 MIN_STREAM_TOKENS = 16  # shorter responses all finish within a few steps: nothing worth streaming
@@ -51,9 +53,9 @@ def why_not_stream(graph: Graph, gen: Node) -> str | None:
     if max_tokens < MIN_STREAM_TOKENS:
         # Every response is done within a handful of steps: no long tail to hide anything behind.
         return f"max_tokens = {max_tokens} < {MIN_STREAM_TOKENS}: samples finish too close together to stream"
-    if not forwards_over(graph, gen):
+    if not forwards_over(graph, gen) and not any(scored_beside(graph, r) for r in rewards_over(graph, gen)):
         # Nothing downstream to run while the tail decodes.
-        return "no logprobs/values/score call reads it"
+        return "no logprobs/values/score call reads it, nor a reward with workers of its own"
     return None
 
 
@@ -112,10 +114,14 @@ def fuse_gen_inference(graph: Graph) -> tuple[Graph, list[str]]:
                 notes.append(f"{forward.id}: not fused with {gen.id}: {refusal}")
                 continue
             fused.append(forward)
-        if not fused:
+        beside = [r for r in rewards_over(graph, gen) if scored_beside(graph, r)]
+        if not fused and not beside:
             notes.append(f"{gen.id}: not fused: no forward over it can run during generation")
             continue
-        if all(f.worker_group == gen.worker_group for f in fused):
+        if beside and all(f.worker_group == gen.worker_group for f in fused):
+            # Only the rewards run beside generation: colocated forwards stay unfused (measured above).
+            fused = []
+        elif all(f.worker_group == gen.worker_group for f in fused):
             # Colocated: every forward would run on the generating ranks, between their decode steps, so nothing
             # runs beside generation; the chunked calls only cost more than whole ones (measured above).
             notes.append(f"{gen.id}: not fused: {', '.join(f.id for f in fused)} run on worker group "
@@ -130,18 +136,21 @@ def fuse_gen_inference(graph: Graph) -> tuple[Graph, list[str]]:
         for forward in fused:
             spill = {"spill_to": gen.worker_group} if spills(gen, forward) else {}
             rewritten[forward.id] = forward.with_attrs(fusion=key, fusion_kind="inter-stage", **spill)
-        notes.append(_note(gen, fused, chunk, flush))
+        for reward in beside:
+            rewritten[reward.id] = reward.with_attrs(fusion=key, fusion_kind="inter-stage")
+        notes.append(_note(gen, fused, beside, chunk, flush))
     return graph.with_nodes([rewritten.get(n.id, n) for n in graph.nodes]), notes
 
 
-def _note(gen: Node, fused: list[Node], chunk: int, flush: int) -> str:
+def _note(gen: Node, fused: list[Node], beside: list[Node], chunk: int, flush: int) -> str:
     elsewhere: dict[str, list[str]] = {}
     for f in fused:
         if f.worker_group != gen.worker_group:
             elsewhere.setdefault(str(f.worker_group), []).append(f.id)
+    targets = [f"{', '.join(ids)} on worker group {g}" for g, ids in elsewhere.items()]
+    targets += [f"{r.id} (reward {r.attrs.get('fn')}) on its own workers" for r in beside]
     note = (f"{gen.id}: streams chunks of {chunk} finished samples (or what finished within {flush} decode steps) to "
-            + "; ".join(f"{', '.join(ids)} on worker group {g}" for g, ids in elsewhere.items())
-            + f", which score them while {gen.worker_group} decodes")
+            + "; ".join(targets) + f", which score them while {gen.worker_group} decodes")
     spilled = [f.id for f in fused if spills(gen, f)]
     if spilled:
         note += (f"; once done generating, {gen.worker_group} takes the chunks still queued for "

@@ -15,9 +15,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
+import torch
+
 from flowrl.ir.graph import Graph, Node
 from flowrl.runtime.batch import Batch, training_batch
 from flowrl.runtime.protocol import WorkerGroup
+from flowrl.runtime.scoring import Pending, Scorer
 from flowrl.runtime.streaming import GenInfer
 
 
@@ -39,6 +42,9 @@ class StageHost(Protocol):
 
     @property
     def groups(self) -> Mapping[str, WorkerGroup]: ...
+
+    @property
+    def rewards(self) -> Mapping[str, Scorer]: ...
 
     def step_seed(self, step: int, node: Node) -> int: ...
 
@@ -79,21 +85,27 @@ def _one_by_one(ctl: StageHost, stage: list[Node], values: dict[str, Batch], ste
     return ran
 
 
-def _gen_infer(ctl: StageHost, gen: Node, forwards: list[Node], values: dict[str, Batch], step: int,
+def _gen_infer(ctl: StageHost, gen: Node, members: list[Node], values: dict[str, Batch], step: int,
                metrics: dict[str, float]) -> list[StageRun] | None:
+    forwards = [n for n in members if n.op != "reward"]
+    rewards = [n for n in members if n.op == "reward"]
+    scorers = {n.id: ctl.rewards[str(n.attrs["fn"])] for n in rewards}
     ranks = ctl.groups[gen.worker_group]
     if not ranks.per_rank:
         ctl.decline(gen, f"worker group {ranks.name} cannot be called rank by rank: {ranks.why_not_per_rank}")
         metrics["fusion/fallback"] = 1.0
         return None
-    if all(ctl.groups[n.worker_group].inline for n in [gen, *forwards]):
+    if all(ctl.groups[n.worker_group].inline for n in [gen, *forwards]) and \
+            not any(s.overlaps for s in scorers.values()):
         ctl.decline(gen, "every group of the stage runs inline in the controller's process: chunk forwards would "
                          "only take turns with decoding")
         metrics["fusion/fallback"] = 1.0
         return None
     other = {n.worker_group: ctl.groups[n.worker_group] for n in forwards if n.worker_group != gen.worker_group}
     start = time.perf_counter()
-    sched = GenInfer(ranks, gen, forwards, values[str(gen.input("prompts"))], ctl.step_seed(step, gen), other)
+    scoring = _Scoring(scorers)
+    sched = GenInfer(ranks, gen, forwards, values[str(gen.input("prompts"))], ctl.step_seed(step, gen), other,
+                     on_chunk=scoring.submit)
     rollout, outs, stage_metrics = sched.run()
     metrics.update(stage_metrics)
     ran = [StageRun(gen, rollout, start, start + stage_metrics["fusion/gen_s"])]
@@ -101,7 +113,33 @@ def _gen_infer(ctl: StageHost, gen: Node, forwards: list[Node], values: dict[str
         spans = [t for t in sched.timeline if t.what == n.id]
         first = min((t.start for t in spans), default=start)
         ran.append(StageRun(n, outs[n.id], first, max((t.end for t in spans), default=first)))
+    for n in rewards:
+        out, began = scoring.collect(n.id, rollout)
+        ran.append(StageRun(n, out, began if began is not None else start, time.perf_counter()))
     return ran
+
+
+class _Scoring:
+    """Rewards scored beside generation: each chunk is handed to every reward's scorer as it arrives."""
+
+    def __init__(self, scorers: Mapping[str, Scorer]):
+        self.scorers = scorers
+        self.pending: dict[str, list[Pending]] = {node: [] for node in scorers}
+        self.samples: dict[str, list[torch.Tensor]] = {}  # each chunk's sample numbers, in arrival order
+        self.first: float | None = None
+
+    def submit(self, chunk: Batch) -> None:
+        if self.first is None:
+            self.first = time.perf_counter()
+        for node, scorer in self.scorers.items():
+            self.pending[node].append(scorer.submit(chunk))
+            self.samples.setdefault(node, []).append(chunk["sample"])
+
+    def collect(self, node: str, rollout: Batch) -> tuple[Batch, float | None]:
+        """The reward's output (the rollout with its scores in sample order, as unfused) and when it began."""
+        scores = torch.cat([p.result()["scores"] for p in self.pending[node]])  # (B,) in arrival order
+        order = torch.argsort(torch.cat(self.samples[node]))
+        return rollout.derive("scores", scores=scores[order]), self.first
 
 
 def _train(ctl: StageHost, stage: list[Node], values: dict[str, Batch], step: int,

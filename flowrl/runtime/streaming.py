@@ -39,7 +39,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -133,9 +133,10 @@ class GenInfer:
     """One step's fused generation + forwards over a RankGroup (see the module docstring)."""
 
     def __init__(self, ranks: WorkerGroup, gen: Node, forwards: Sequence[Node], prompts: Batch, step_seed: int,
-                 other: Mapping[str, WorkerGroup]):
+                 other: Mapping[str, WorkerGroup], on_chunk: Callable[[Batch], None] | None = None):
         self.ranks, self.gen, self.forwards, self.prompts = ranks, gen, list(forwards), prompts
         self.step_seed, self.other = step_seed, other  # other: worker groups of forwards placed elsewhere
+        self.on_chunk = on_chunk  # called with each chunk of finished samples (rewards scored beside generation)
         self.attrs = dict(gen.attrs)
         self.n = int(str(self.attrs.get("n", 1)))
         self.total = prompts.size * self.n
@@ -439,10 +440,14 @@ class GenInfer:
         groups = batch["group_id"].tolist()
         meta = {k: [v[g] for g in groups] for k, v in self.prompts.meta.items()}
         meta["response"] = batch.meta["response"]
+        chunk = Batch(batch.size, batch.tensors, meta, batch.primary)
         with self.lock:
-            self.chunks.append(Batch(batch.size, batch.tensors, meta, batch.primary))
+            self.chunks.append(chunk)
             self.arrivals.append(time.perf_counter())
-            return len(self.chunks) - 1
+            cid = len(self.chunks) - 1
+        if self.on_chunk is not None:
+            self.on_chunk(chunk)
+        return cid
 
     def _forward(self, rank: int, cid: int, node: Node) -> None:
         """Run `node` on chunk `cid` on a generation rank."""

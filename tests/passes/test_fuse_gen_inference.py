@@ -70,7 +70,7 @@ GEN_REFUSALS: list[tuple[str, dict[str, Any], str]] = [
      "rollout: not fused: actor uses engine 'vllm', which cannot hand samples over as they finish"),
     ("short responses", dict(max_tokens=8, placement=SPLIT),
      "rollout: not fused: max_tokens = 8 < 16: samples finish too close together to stream"),
-    ("no forwards", dict(text=NO_FORWARDS), "rollout: not fused: no logprobs/values/score call reads it"),
+    ("no forwards", dict(text=NO_FORWARDS), "rollout: not fused: no logprobs/values/score call reads it, nor a reward with workers of its own"),
     ("colocated", {}, "rollout: not fused: old_logp, ref_logp, values, scores run on worker group colocated, which "
      "generates, so nothing would run beside generation (place them on another pool in a `placement { }` block "
      "to overlap them with it)"),
