@@ -8,9 +8,10 @@ RLHF trains with dropout off so rollout log-probs and training log-probs come fr
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -140,6 +141,21 @@ def copy_backbone(dst: nn.Module, src: nn.Module) -> int:
     return copied
 
 
+@contextlib.contextmanager
+def quiet_transformers() -> Iterator[None]:
+    """transformers' own progress bars ("Loading weights", "Writing model shards") off while the block runs:
+    they would interleave with flowrl's progress output, once per model and rank."""
+    from transformers.utils import logging as hf_logging
+
+    was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_on:
+            hf_logging.enable_progress_bar()
+
+
 def _build_lm(spec: ModelSpec, dtype: torch.dtype) -> tuple[Any, Tokenizer]:
     source = spec.source
     if source in ("tiny:gpt2", "tiny:llama"):
@@ -150,7 +166,8 @@ def _build_lm(spec: ModelSpec, dtype: torch.dtype) -> tuple[Any, Tokenizer]:
         from transformers import AutoModelForCausalLM
 
         path = source[3:]
-        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype)
+        with quiet_transformers():
+            model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype)
         return model, HFTokenizer(path)
     raise ValueError(f"unknown model source {source!r}; expected one of {', '.join(SOURCES)}")
 

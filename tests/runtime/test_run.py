@@ -155,8 +155,9 @@ def test_bad_data_line_is_reported_at_check_time(tmp_path: Path, capsys: pytest.
         flowrl.load(str(flow))
 
 
-def test_hf_checkpoint_source_runs(tmp_path: Path) -> None:
-    """`source = "hf:PATH"` loads a local Hugging Face checkpoint and tokenizer — the path real models take."""
+def test_hf_checkpoint_source_runs(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """`source = "hf:PATH"` loads a local Hugging Face checkpoint and tokenizer — the path real models take —
+    without transformers' own progress bars in flowrl's output."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
 
@@ -173,8 +174,11 @@ def test_hf_checkpoint_source_runs(tmp_path: Path) -> None:
         'source = "tiny:gpt2", layers = 1, dim = 32, heads = 2, charset = "0123456789+=", lr = 1e-3',
         'source = "hf:ckpt", lr = 1e-3')
     flow.write_text(text)
+    capfd.readouterr()  # what saving the checkpoint printed
     res = run(flowrl.load(str(flow)), out_dir=tmp_path / "out", steps=2)
     assert res.metrics[-1]["gen_tokens"] > 0
+    out, err = capfd.readouterr()
+    assert "Loading weights" not in out + err and "Writing model shards" not in out + err
     shutil.rmtree(ckpt)
 
 
