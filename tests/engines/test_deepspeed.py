@@ -14,11 +14,10 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
+import deepspeed  # noqa: E402,F401  (the deepspeed extra is part of the test set-up: missing fails, not skips)
 import pytest
 import torch
 from torch import Tensor, nn
-
-pytest.importorskip("deepspeed")
 
 from flowrl.engines.deepspeed_engine import DeepSpeedTrainEngine  # noqa: E402
 from flowrl.engines.forward import forward_logprobs  # noqa: E402

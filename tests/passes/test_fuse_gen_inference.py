@@ -352,7 +352,7 @@ class _Waits(GroupProxy):
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         if method in ("logprobs", "values", "score"):
             self.calls.append(method)
-            self.gate.waited.append(self.gate.over.wait(timeout=20))
+            self.gate.waited.append(self.gate.over.wait(timeout=GUARD_S))
         return self.inner.call(method, *args, **kwargs)
 
 
@@ -442,37 +442,67 @@ def test_a_forward_of_the_generating_model_on_another_group_spills_to_it(ppo: Ca
     assert fuse_gen_inference(g)[0] == g
 
 
-class _SlowTrain(LocalBackend):
-    """The local backend with the disaggregated pools, where each forward of the train pool takes 0.3 s more:
-    chunks of old_logp queue up while generation goes on, and the rollout pool, once done, takes them. The
-    rollout pool streams from a thread per rank (`on_rank`) or, a plain in-process group, on the stage's own
-    thread between its chunks."""
+class _Spill(LocalBackend):
+    """The local backend with the disaggregated pools, arranged so that a generation rank must take a chunk of
+    old_logp: the train pool's first old_logp call (on the stream's first chunk alone: the rollout pool holds its
+    second chunk back until that call has begun) waits until the rollout pool has taken one, so the chunks that
+    finish meanwhile stay queued, and the rollout pool, once done generating, takes them. No timing decides it:
+    the waits are on events (with a guard that fails the test instead of hanging it). The rollout pool streams
+    from a thread per rank (`on_rank`) or, a plain in-process group, on the stage's own thread."""
 
     def __init__(self, threads: bool):
         self.threads = threads
+        self.began, self.taken = threading.Event(), threading.Event()
 
     def start(self, graph: Graph, *, seed: int, device: str) -> dict[str, Any]:
         groups = super().start(graph, seed=seed, device=device)
-        rollout = _Streams(groups["rollout"], threading.Event()) if self.threads else groups["rollout"]
-        return {"rollout": rollout, "train": _Slow(groups["train"])}
+        return {"rollout": _HoldsSecondChunk(groups["rollout"], self, inline=not self.threads),
+                "train": _WaitsForTake(groups["train"], self)}
 
 
-class _Slow(GroupProxy):
-    def __init__(self, inner: Any):
+class _HoldsSecondChunk(GroupProxy):
+    def __init__(self, inner: Any, spill: _Spill, inline: bool):
         super().__init__(inner)
-        self.inline = False
+        self.spill, self.inline = spill, inline
+
+    def on_rank(self, rank: int, method: str, *args: Any, **kwargs: Any) -> Any:
+        if method == "logprobs" and args[0] == "actor":  # a generation rank runs old_logp: it took a chunk
+            self.spill.taken.set()
+        if method == "generate_stream":  # a new stage: its own first old_logp call waits for its own take
+            self.spill.began.clear()
+            self.spill.taken.clear()
+        out = self.inner.on_rank(rank, method, *args, **kwargs)
+        return self._hold(out) if method == "generate_stream" else out
+
+    def _hold(self, stream: Any) -> Any:
+        chunks = 0
+        for item in stream:
+            if isinstance(item, Batch) and chunks == 1:
+                assert self.spill.began.wait(timeout=GUARD_S), "the train pool never started on old_logp"
+            chunks += isinstance(item, Batch)
+            yield item
+
+
+class _WaitsForTake(GroupProxy):
+    def __init__(self, inner: Any, spill: _Spill):
+        super().__init__(inner)
+        self.inline, self.spill = False, spill
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        if method in ("logprobs", "values", "score"):
-            threading.Event().wait(0.3)
+        if method == "logprobs" and args[0] == "actor" and not self.spill.began.is_set():
+            self.spill.began.set()
+            assert self.spill.taken.wait(timeout=GUARD_S), "no generation rank took a queued old_logp chunk"
         return self.inner.call(method, *args, **kwargs)
+
+
+GUARD_S = 120  # only ever reached when the behaviour under test is broken
 
 
 @pytest.mark.parametrize("threads", [True, False], ids=["rank-threads", "in-process"])
 def test_the_generation_pool_takes_queued_chunks_of_its_model_with_the_same_numbers(
         ppo: Callable[..., Graph], threads: bool) -> None:
     split = _disaggregated(ppo)
-    on = run_steps(passes(split, "fuse-gen-inference"), steps=2, backend=_SlowTrain(threads))
+    on = run_steps(passes(split, "fuse-gen-inference"), steps=2, backend=_Spill(threads))
     assert all("fusion/fallback" not in r.metrics for r in on)
     assert all(r.metrics["fusion/chunks"] >= 3 and r.metrics["fusion/taken"] >= 1 for r in on)
     assert_same_numbers(on, run_steps(passes(split), steps=2))

@@ -107,8 +107,6 @@ def test_two_rank_fused_update_equals_the_one_rank_fused_update(
         ranks: tuple[Graph, RayWorkerGroup, ModelWorker]) -> None:
     """fuse-train's one-call update of several models (`update_fused`), data parallel over the 2 ranks."""
     graph, group, local = ranks
-    if not hasattr(local, "update_fused"):
-        pytest.skip("this tree has no ModelWorker.update_fused (the fuse-train pass)")
     rollout = local.generate("actor", _prompts(4), _attrs(graph, "generate"), step_seed=8)
     batch = Batch(rollout.size, {**{k: rollout[k] for k in UPDATE_KEYS},
                                  "old_logp": local.logprobs("actor", rollout, {})["logp"],

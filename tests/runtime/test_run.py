@@ -191,7 +191,6 @@ def test_lr_warmup_ramps_linearly(tmp_path: Path) -> None:
 
 def test_deepspeed_engine_trains_like_torch(tmp_path: Path) -> None:
     """`engine = "deepspeed"` (ZeRO-0 and ZeRO-2 on CPU/gloo) follows the torch engine's trajectory."""
-    pytest.importorskip("deepspeed")
     flow = str(write_flow(tmp_path))
     torch_run = run(flowrl.load(flow), out_dir=tmp_path / "torch", steps=3).metrics
     for stage in ("0", "2"):
