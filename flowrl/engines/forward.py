@@ -45,7 +45,7 @@ def forward_logprobs(
     """
 
     def score(logits: Tensor, targets: Tensor) -> list[Tensor]:
-        return [_token_logprobs(logits, targets)]
+        return [token_logprobs(logits, targets)]
 
     return _run_lm(module, prompt_ids, prompt_mask, response_ids, response_mask,
                    temperature, micro_batch, with_grad, score)[0]  # fmt: skip
@@ -65,7 +65,7 @@ def forward_entropy(
     """(B, T) entropy of the next-token distribution at each response position; 0 where masked."""
 
     def score(logits: Tensor, targets: Tensor) -> list[Tensor]:
-        return [_entropy(logits)]
+        return [token_entropy(logits)]
 
     return _run_lm(module, prompt_ids, prompt_mask, response_ids, response_mask,
                    temperature, micro_batch, with_grad, score)[0]  # fmt: skip
@@ -85,7 +85,7 @@ def forward_logprobs_entropy(
     """Both (B, T) log-probs and entropies from a single forward (what a PPO loss with entropy bonus needs)."""
 
     def score(logits: Tensor, targets: Tensor) -> list[Tensor]:
-        return [_token_logprobs(logits, targets), _entropy(logits)]
+        return [token_logprobs(logits, targets), token_entropy(logits)]
 
     logprobs, entropy = _run_lm(module, prompt_ids, prompt_mask, response_ids, response_mask,
                                 temperature, micro_batch, with_grad, score)  # fmt: skip
@@ -141,13 +141,13 @@ def _run_lm(
     return [torch.cat(column, dim=0) for column in zip(*parts, strict=True)]
 
 
-def _token_logprobs(logits: Tensor, targets: Tensor) -> Tensor:
+def token_logprobs(logits: Tensor, targets: Tensor) -> Tensor:
     # gather - logsumexp avoids materialising a second (b, T, V) log_softmax tensor.
     picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # (b, T)
     return picked - torch.logsumexp(logits, dim=-1)
 
 
-def _entropy(logits: Tensor) -> Tensor:
+def token_entropy(logits: Tensor) -> Tensor:
     probs = torch.softmax(logits, dim=-1)  # (b, T, V)
     return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(-1)  # (b, T)
 

@@ -68,19 +68,19 @@ def generate(
     device: str | torch.device = "cpu",
 ) -> GenOutput:
     """Sample `n` responses per prompt; temperature 0 is greedy, EOS is banned before `min_tokens`."""
-    _check_args(prompts, n, max_tokens, min_tokens, temperature, top_p)
+    check_sampling_args(prompts, n, max_tokens, min_tokens, temperature, top_p)
     pad, eos = tokenizer.pad_id, tokenizer.eos_id
     dev = torch.device(device)
-    ids, mask = _left_pad(prompts, pad, dev)  # (B, P)
+    ids, mask = left_pad_prompts(prompts, pad, dev)  # (B, P)
     batch, width = ids.shape
     rows = batch * n
     # `ours`: the cache is our buffered one, which also supports dropping finished rows mid-decode.
-    cache, ours = _make_cache(module, width + max_tokens)
+    cache, ours = make_cache(module, width + max_tokens)
     share = share_prefix and n > 1
     run_ids = ids if share else ids.repeat_interleave(n, dim=0)
     run_mask = mask if share else mask.repeat_interleave(n, dim=0)
     full_prompt_mask = mask.repeat_interleave(n, dim=0)  # (N, P)
-    sampler = _Sampler(temperature, top_p, min_tokens, eos, generator)
+    sampler = Sampler(temperature, top_p, min_tokens, eos, generator)
 
     out_ids = torch.full((rows, max_tokens), pad, dtype=torch.long, device=dev)
     out_mask = torch.zeros((rows, max_tokens), dtype=torch.long, device=dev)
@@ -134,7 +134,7 @@ def generate(
     )
 
 
-class _Sampler:
+class Sampler:
     """Turns one step's (rows, V) logits into tokens and their log-probs."""
 
     def __init__(
@@ -291,7 +291,7 @@ def kv_rows(layer: DynamicLayer, rows: Tensor) -> tuple[Tensor, Tensor]:
     return layer.keys[rows].clone(), layer.values[rows].clone()
 
 
-def _make_cache(module: nn.Module, capacity: int) -> tuple[Any, bool]:
+def make_cache(module: nn.Module, capacity: int) -> tuple[Any, bool]:
     """A DynamicCache for `module`; its plain full-attention layers swapped for buffered ones when possible
     (sharing the prompt prefix across samples when the model's attention reads one)."""
     config = getattr(module, "config", None)
@@ -305,7 +305,7 @@ def _make_cache(module: nn.Module, capacity: int) -> tuple[Any, bool]:
     return cache, False
 
 
-def _left_pad(prompts: Sequence[Sequence[int]], pad: int, device: torch.device) -> tuple[Tensor, Tensor]:
+def left_pad_prompts(prompts: Sequence[Sequence[int]], pad: int, device: torch.device) -> tuple[Tensor, Tensor]:
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), pad, dtype=torch.long)
     mask = torch.zeros((len(prompts), width), dtype=torch.long)
@@ -315,7 +315,7 @@ def _left_pad(prompts: Sequence[Sequence[int]], pad: int, device: torch.device) 
     return ids.to(device), mask.to(device)
 
 
-def _check_args(
+def check_sampling_args(
     prompts: Sequence[Sequence[int]], n: int, max_tokens: int, min_tokens: int, temperature: float, top_p: float
 ) -> None:
     if not prompts:

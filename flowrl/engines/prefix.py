@@ -31,7 +31,7 @@ from torch import Tensor, nn
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from flowrl.engines.forward import _entropy, _token_logprobs
+from flowrl.engines.forward import token_entropy, token_logprobs
 from flowrl.engines.trie import PrefixPlan, plan_of, plan_prefixes
 from flowrl.models.attention import NAME as ATTENTION
 from flowrl.models.build import ValueModel, cache_kw
@@ -418,7 +418,7 @@ def shared_logprobs(module: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, 
 
     def finish(logits: Tensor, targets: Tensor, mask: Tensor) -> Tensor:
         logits = logits.float() * scale if scale != 1.0 else logits.float()
-        return _token_logprobs(logits, targets * mask) * mask
+        return token_logprobs(logits, targets * mask) * mask
 
     return _shared(module, prompt_ids, prompt_mask, response_ids, response_mask, min_len, micro_batch, pad, finish)
 
@@ -470,7 +470,7 @@ def packed_logprobs_entropy(module: nn.Module, prompt_ids: Tensor, prompt_mask: 
     if temperature > 0 and temperature != 1.0:
         logits = logits / temperature
     mask = response_mask.long()
-    return _token_logprobs(logits, response_ids * mask) * mask, _entropy(logits) * mask
+    return token_logprobs(logits, response_ids * mask) * mask, token_entropy(logits) * mask
 
 
 def packed_values(module: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor,

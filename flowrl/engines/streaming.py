@@ -26,7 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from flowrl.engines.forward import positions_from_mask
-from flowrl.engines.generation import _check_args, _left_pad, _make_cache, _Sampler, kv_rows
+from flowrl.engines.generation import Sampler, check_sampling_args, kv_rows, left_pad_prompts, make_cache
 from flowrl.models.build import cache_kw
 from flowrl.models.tokenizer import Tokenizer
 
@@ -165,7 +165,7 @@ class _Decoder:
     def _sample(self, logits: Tensor, seg: _Segment, vpos: Tensor | None) -> tuple[Tensor, Tensor]:
         """`generate`'s sampler for one segment: same ops, noise drawn as (vsize, V) and picked by `vpos`."""
         s = self.s
-        sampler = _Sampler(s.temperature, s.top_p, s.min_tokens, self.eos, seg.generator())
+        sampler = Sampler(s.temperature, s.top_p, s.min_tokens, self.eos, seg.generator())
         return sampler(logits, seg.t, draw_rows=seg.vsize, pick=vpos)
 
     def _compact_segment(self, i: int, remaining: int) -> None:
@@ -249,9 +249,9 @@ def generate_stream(module: nn.Module, tokenizer: Tokenizer, prompts: Sequence[S
     `partial` (a fraction of the rows), unfinished rows' responses so far go out every `flush` steps once at
     most that fraction is still decoding."""
     s = sampling
-    _check_args(prompts, n, s.max_tokens, s.min_tokens, s.temperature, s.top_p)
+    check_sampling_args(prompts, n, s.max_tokens, s.min_tokens, s.temperature, s.top_p)
     dev = torch.device(device)
-    ids, mask = _left_pad(prompts, tokenizer.pad_id, dev)  # (B, P)
+    ids, mask = left_pad_prompts(prompts, tokenizer.pad_id, dev)  # (B, P)
     batch, width = ids.shape
     rows = batch * n
     out = (torch.full((rows, s.max_tokens), tokenizer.pad_id, dtype=torch.long, device=dev),
@@ -260,7 +260,7 @@ def generate_stream(module: nn.Module, tokenizer: Tokenizer, prompts: Sequence[S
     full_mask = mask.repeat_interleave(n, dim=0)  # (N, P)
     dec = _Decoder(module, tokenizer, s, torch.arange(rows, device=dev) + first_sample,
                    ids.repeat_interleave(n, dim=0), full_mask, out)
-    dec.cache, dec.ours = _make_cache(module, width + s.max_tokens)
+    dec.cache, dec.ours = make_cache(module, width + s.max_tokens)
     share = share_prefix and n > 1
     run_ids, run_mask = (ids, mask) if share else (ids.repeat_interleave(n, dim=0), full_mask)
     with torch.inference_mode():
@@ -303,7 +303,7 @@ def resume_stream(module: nn.Module, tokenizer: Tokenizer, tails: Sequence[Tail]
                    (cat([t.out_ids for t in tails]).to(dev), cat([t.out_lp for t in tails]).to(dev),
                     cat([t.out_mask for t in tails]).to(dev)))
     rows = dec.samples.shape[0]
-    dec.cache, dec.ours = _make_cache(module, width + s.max_tokens)
+    dec.cache, dec.ours = make_cache(module, width + s.max_tokens)
     with torch.inference_mode():
         for i, layer in enumerate(dec.cache.layers):  # type: ignore[attr-defined]
             keys = cat([left(t.kv[i][0].transpose(1, 2), width).transpose(1, 2) for t in tails]).to(dev)

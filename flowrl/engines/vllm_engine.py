@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from flowrl.engines.generation import GenOutput, _check_args
+from flowrl.engines.generation import GenOutput, check_sampling_args
 from flowrl.models.tokenizer import Tokenizer
 
 __all__ = ["INSTALL_HINT", "VLLMGenerator", "WeightLoaderExtension", "import_vllm", "to_gen_output"]
@@ -93,7 +93,7 @@ class VLLMGenerator:
         seed: int | None = None,
     ) -> GenOutput:
         """Sample `n` responses per prompt (temperature 0 is greedy); rows are prompt 0's n samples, then 1's..."""
-        _check_args(prompts, n, max_tokens, min_tokens, temperature, top_p)
+        check_sampling_args(prompts, n, max_tokens, min_tokens, temperature, top_p)
         eos = self.tokenizer.eos_id
         # One SamplingParams per prompt so equal prompts in a batch still draw different samples.
         params = [
