@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from flowrl.algos.advantages import gae, grpo_advantages, reinforce_pp_returns, rloo_advantages, whiten
-from flowrl.algos.losses import AGG_MODES, KL_KINDS, aggregate, kl, ppo_clip_loss, value_loss
+from flowrl.algos.losses import AGG_MODES, KL_KINDS, aggregate, kl, policy_loss, ppo_clip_loss, value_loss
 
 __all__ = [
     "AGG_MODES",
@@ -12,6 +12,7 @@ __all__ = [
     "gae",
     "grpo_advantages",
     "kl",
+    "policy_loss",
     "ppo_clip_loss",
     "reinforce_pp_returns",
     "rloo_advantages",

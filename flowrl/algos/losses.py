@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["AGG_MODES", "KL_KINDS", "aggregate", "kl", "ppo_clip_loss", "value_loss"]
+__all__ = ["AGG_MODES", "KL_KINDS", "aggregate", "kl", "policy_loss", "ppo_clip_loss", "value_loss"]
 
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 
@@ -150,6 +150,57 @@ def ppo_clip_loss(
             "ppo_kl": _masked_mean(old_logp - logp, mask).item(),
             "ratio_mean": _masked_mean(ratio, mask).item(),
         }
+    return loss, metrics
+
+
+def policy_loss(
+    logp: Tensor,
+    old_logp: Tensor | None,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    ref_logp: Tensor | None = None,
+    entropy: Tensor | None = None,
+    clip: float = 0.2,
+    clip_high: float | None = None,
+    dual_clip: float | None = None,
+    kl_coef: float = 0.0,
+    kl_kind: str = "k3",
+    entropy_coef: float = 0.0,
+    agg: str = "token-mean",
+    num_tokens: float | Tensor | None = None,
+    num_seqs: float | Tensor | None = None,
+    horizon: float | Tensor | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """The policy update's whole objective -> (scalar loss, metrics):
+
+        loss = ppo_clip_loss(logp, old_logp, A) + kl_coef * agg(kl(logp, ref_logp)) - entropy_coef * agg(entropy)
+
+    `old_logp` None: one optimizer step on the rollout (pass on-policy-logp), so the old log-probs are
+    `logp.detach()` and the ratio is 1; then, with `ref_logp`, the step's KL to the reference (k1, token mean
+    over `num_tokens`: what the controller reports as kl_mean) is measured here as `kl_mean`. All (B, T).
+    metrics: pg_clipfrac is named `clipfrac`, the others of `ppo_clip_loss` get a `pg_` prefix; pg_loss,
+    kl_loss (when kl_coef and ref_logp), entropy (when given).
+    """
+    old = logp.detach() if old_logp is None else old_logp
+    loss, pg = ppo_clip_loss(logp, old, advantages, mask, clip=clip, clip_high=clip_high, dual_clip=dual_clip,
+                             agg=agg, num_tokens=num_tokens, num_seqs=num_seqs, horizon=horizon)
+    metrics = {k if k == "clipfrac" else f"pg_{k}": v for k, v in pg.items()}
+    metrics["pg_loss"] = float(loss.detach())
+    denoms = {"num_tokens": num_tokens, "num_seqs": num_seqs, "horizon": horizon}
+    if ref_logp is not None and old_logp is None:
+        with torch.no_grad():
+            tokens = float(num_tokens) if num_tokens is not None else float(mask.sum())
+            metrics["kl_mean"] = float(((logp - ref_logp) * mask).sum()) / max(tokens, 1.0)
+    if kl_coef and ref_logp is not None:
+        kl_loss = aggregate(kl(logp, ref_logp, kl_kind), mask, agg, **denoms)
+        loss = loss + kl_coef * kl_loss
+        metrics["kl_loss"] = float(kl_loss.detach())
+    if entropy is not None:
+        ent = aggregate(entropy, mask, agg, **denoms)
+        metrics["entropy"] = float(ent.detach())
+        if entropy_coef:
+            loss = loss - entropy_coef * ent  # a bonus: higher entropy lowers the loss
     return loss, metrics
 
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from flowrl.algos import aggregate, kl, ppo_clip_loss, value_loss
+from flowrl.algos import policy_loss, value_loss
 from flowrl.engines.generation import forward_logprobs, forward_logprobs_entropy, forward_values, generate
 from flowrl.engines.incremental import IncrementalScorer
 from flowrl.engines.prefix import packed_logprobs_entropy, packed_values, shared_logprobs, shared_values
@@ -293,42 +293,21 @@ class ModelWorker:
         inputs = self._inputs(mb)
         mask = inputs[3].float()
         temp = float(mb["temperature"][0]) if "temperature" in mb.tensors else 1.0
-        entropy_coef = float(attrs.get("entropy_coef", 0.0) or 0.0)
         packed = None
         if attrs.get("share_prefix"):  # the share-prefix pass: each prompt once, gradients summed over samples
             packed = packed_logprobs_entropy(module, *inputs, temperature=_safe_temp(temp),
                                              min_len=int(attrs.get("prefix_min_len", 16)))
         logp, entropy = packed or forward_logprobs_entropy(module, *inputs, temperature=_safe_temp(temp),
                                                            with_grad=True)  # (B, T) each
-        old = mb["old_logp"].to(self.device) if "old_logp" in mb.tensors else logp.detach()
-        adv = mb["advantages"].to(self.device)
-        agg = str(attrs.get("agg", "token-mean"))
-        clip_high = attrs.get("clip_high")
-        dual = attrs.get("dual_clip")
-        loss, metrics = ppo_clip_loss(
-            logp, old, adv, mask, clip=float(attrs.get("clip", 0.2)),
-            clip_high=float(clip_high) if clip_high is not None else None,
-            dual_clip=float(dual) if dual is not None else None, agg=agg, **denoms,
-        )
-        metrics = {f"pg_{k}" if k != "clipfrac" else k: v for k, v in metrics.items()}
-        metrics["pg_loss"] = float(loss.detach())
-        kl_coef = float(attrs.get("kl_coef", 0.0) or 0.0)
-        if "ref_logp" in mb.tensors and "old_logp" not in mb.tensors:
-            # The on-policy-logp pass removed the old-log-prob forward, so the step's KL to the reference
-            # (k1, token mean: what the controller reports as kl_mean) is measured here, as a share.
-            with torch.no_grad():
-                diff = (logp - mb["ref_logp"].to(self.device)) * mask
-                metrics["kl_mean"] = float(diff.sum()) / max(float(denoms["num_tokens"]), 1.0)
-        if kl_coef and "ref_logp" in mb.tensors:
-            kl_tok = kl(logp, mb["ref_logp"].to(self.device), str(attrs.get("kl", "k3")))
-            kl_loss = aggregate(kl_tok, mask, agg, **denoms)
-            loss = loss + kl_coef * kl_loss
-            metrics["kl_loss"] = float(kl_loss.detach())
-        ent = aggregate(entropy, mask, agg, **denoms)
-        metrics["entropy"] = float(ent.detach())
-        if entropy_coef:
-            loss = loss - entropy_coef * ent  # a bonus: higher entropy lowers the loss
-        return loss, metrics
+        clip_high, dual = attrs.get("clip_high"), attrs.get("dual_clip")
+        dev = self.device
+        return policy_loss(
+            logp, mb["old_logp"].to(dev) if "old_logp" in mb.tensors else None, mb["advantages"].to(dev), mask,
+            ref_logp=mb["ref_logp"].to(dev) if "ref_logp" in mb.tensors else None, entropy=entropy,
+            clip=float(attrs.get("clip", 0.2)), clip_high=float(clip_high) if clip_high is not None else None,
+            dual_clip=float(dual) if dual is not None else None, kl_coef=float(attrs.get("kl_coef", 0.0) or 0.0),
+            kl_kind=str(attrs.get("kl", "k3")), entropy_coef=float(attrs.get("entropy_coef", 0.0) or 0.0),
+            agg=str(attrs.get("agg", "token-mean")), **denoms)
 
     def _critic_loss(self, module: torch.nn.Module, mb: Batch, *, attrs: Mapping[str, Any],
                      denoms: Mapping[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:

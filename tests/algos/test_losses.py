@@ -8,7 +8,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from flowrl.algos import AGG_MODES, aggregate, kl, ppo_clip_loss, value_loss
+from flowrl.algos import AGG_MODES, aggregate, kl, policy_loss, ppo_clip_loss, value_loss
 from flowrl.algos.losses import _ppo_clip_token_loss
 
 ATOL = 1e-5
@@ -258,3 +258,49 @@ def test_micro_batch_sum_equals_whole(fn: LossFn, key: str, agg: str, split: str
     torch.testing.assert_close(total, whole.detach(), atol=1e-6, rtol=0)
     assert whole_x.grad is not None
     torch.testing.assert_close(torch.cat(grads), whole_x.grad, atol=1e-6, rtol=0)
+
+
+# ---- the policy update's whole objective (policy_loss) ------------------------------------------------------
+# One sample, three tokens, the last masked; worked by hand (token-mean over the 2 valid tokens):
+#   logp = [ln .5, ln .2, ln .9], old = [ln .4, ln .25, ln .9], ref = [ln .5, ln .1, ln .3], A = 1, clip 0.2
+#   rho = [1.25, 0.8, 1]: token 0 clips at 1.2 (-A*1.25 = -1.25 < -1.2, so max = -1.2), token 1 keeps -0.8
+#   pg = (-1.2 - 0.8) / 2 = -1.0, clipfrac = 1/2
+#   k3(logp, ref) = exp(ref - logp) - (ref - logp) - 1: token 0: 0; token 1: 0.5 - ln .5 - 1 = 0.193147...
+#   kl_loss = 0.193147 / 2 = 0.0965736; entropy bonus: token-mean of [1.0, 3.0] = 2.0
+PL_LOGP = [math.log(0.5), math.log(0.2), math.log(0.9)]
+PL_OLD = [math.log(0.4), math.log(0.25), math.log(0.9)]
+PL_REF = [math.log(0.5), math.log(0.1), math.log(0.3)]
+PL_K3_1 = 0.5 - math.log(0.5) - 1.0
+
+
+def _t(values: list[float]) -> torch.Tensor:
+    return torch.tensor([values], dtype=torch.float64)
+
+
+def test_policy_loss_adds_the_kl_penalty_and_the_entropy_bonus_to_ppo_clip() -> None:
+    mask = _t([1.0, 1.0, 0.0])
+    loss, m = policy_loss(_t(PL_LOGP), _t(PL_OLD), torch.tensor([1.0], dtype=torch.float64), mask, ref_logp=_t(PL_REF),
+                          entropy=_t([1.0, 3.0, 7.0]), clip=0.2, kl_coef=0.1, kl_kind="k3", entropy_coef=0.01)
+    assert m["pg_loss"] == pytest.approx(-1.0)
+    assert m["clipfrac"] == pytest.approx(0.5)
+    assert m["kl_loss"] == pytest.approx(PL_K3_1 / 2)
+    assert m["entropy"] == pytest.approx(2.0)
+    assert float(loss) == pytest.approx(-1.0 + 0.1 * PL_K3_1 / 2 - 0.01 * 2.0)
+    assert "kl_mean" not in m  # old log-probs given: the controller measures the KL from its own forwards
+
+
+def test_policy_loss_without_penalties_is_ppo_clip() -> None:
+    mask = _t([1.0, 1.0, 0.0])
+    adv = torch.tensor([1.0], dtype=torch.float64)
+    loss, m = policy_loss(_t(PL_LOGP), _t(PL_OLD), adv, mask, ref_logp=_t(PL_REF), clip=0.2)
+    want, pg = ppo_clip_loss(_t(PL_LOGP), _t(PL_OLD), adv, mask, clip=0.2)
+    assert float(loss) == float(want) and m["pg_ratio_mean"] == pg["ratio_mean"] and "kl_loss" not in m
+
+
+def test_policy_loss_on_policy_measures_the_k1_kl_to_the_reference() -> None:
+    """No old log-probs (pass on-policy-logp): the ratio is 1, so the loss is -A; kl_mean is the k1 token mean."""
+    mask = _t([1.0, 1.0, 0.0])
+    loss, m = policy_loss(_t(PL_LOGP), None, torch.tensor([2.0], dtype=torch.float64), mask, ref_logp=_t(PL_REF),
+                          num_tokens=2.0)
+    assert float(loss) == pytest.approx(-2.0) and m["clipfrac"] == 0.0
+    assert m["kl_mean"] == pytest.approx((0.0 + (math.log(0.2) - math.log(0.1))) / 2)
