@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from flowrl.engines.streaming import StreamControl
+from flowrl.engines.chunked_generation import StreamControl
 from flowrl.ir.graph import ModelDecl
 from flowrl.runtime import dispatch
 from flowrl.runtime.chunks import STREAMS

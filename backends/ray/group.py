@@ -169,7 +169,7 @@ class RayWorkerGroup:
         plan = _plan(method, args, kwargs, dispatch, self.world)
         return RayFuture(self, plan, self._submit(plan))
 
-    # ---- one rank at a time (the fuse-gen-inference scheduler, flowrl.runtime.streaming.RankGroup) -------
+    # ---- one rank at a time (the fuse-gen-inference scheduler, flowrl.runtime.gen_infer) -------
     def on_rank(self, rank: int, method: str, *args: Any, **kwargs: Any) -> Any:
         """`method` on rank `rank` alone; a stream (generate_stream, resume_stream) is pulled item by item (or
         every TICK_S without one), carrying the rank's progress up and the scheduler's export request down."""

@@ -11,7 +11,7 @@ not full, so the other group is not left idle in the long tail). A forward of th
 another group (the policy's old log-probs on the train pool) gets `spill_to = <generation group>`: that group
 holds the same weights during the stage, so once a generation rank is done it takes the chunks still queued
 for that forward (RLHFuse: freed generation workers run the inference). At run time
-(`flowrl.runtime.streaming`) generation hands finished samples downstream in chunks, the forwards run on each
+(`flowrl.runtime.gen_infer`) generation hands finished samples downstream in chunks, the forwards run on each
 chunk while the tail still decodes, and results are put back in sample order, so every number downstream is
 the one the unfused step computes. A reward scored by workers of its own (`reward r = "..." { workers = 4 }` or
 `http(...)`) joins the stage too: each chunk is handed to its workers as it arrives, so a slow reward is scored

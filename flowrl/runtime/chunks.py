@@ -1,5 +1,5 @@
 """Chunks of a streamed rollout (flowrl.runtime): what generation ranks yield and how the fused stage's scheduler
-(`flowrl.runtime.streaming`) merges them and puts them back in sample order.
+(`flowrl.runtime.gen_infer`) merges them and puts them back in sample order.
 
 `ModelWorker.generate_stream` turns the engine's chunks into rollout `Batch`es (`chunk_batches`), unfinished
 samples' responses so far into `Growing` batches, and with "own-rank" scoring runs the chunk forwards itself
@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from flowrl.engines.streaming import GenChunk, Sampling, Tail
+from flowrl.engines.chunked_generation import GenChunk, Sampling, Tail
 from flowrl.models.tokenizer import Tokenizer
 from flowrl.runtime.batch import Batch
 
@@ -42,11 +42,6 @@ def flush_of(attrs: Mapping[str, Any]) -> int:
 
 def partial_of(attrs: Mapping[str, Any]) -> float:
     return float(attrs.get("partial_below", 0) or 0)  # 0: unfinished samples never go out
-
-
-def rank_seed(step_seed: int, rank: int) -> int:
-    """Rank 0 samples with the step's seed (so one rank equals the unsharded run); others get their own."""
-    return step_seed if rank == 0 else (step_seed * 1_000_003 + rank * 7_919) % (2**31)
 
 
 @dataclass(frozen=True)

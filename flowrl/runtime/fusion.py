@@ -1,7 +1,7 @@
 """Fused stages at run time (flowrl.runtime): what the controller does with nodes the fuse-* passes marked.
 
 `run_stage` runs every member of the fused stage a node belongs to (all nodes sharing its `fusion` attr):
-`gen-infer:*` (fuse-gen-inference) through the streaming scheduler in `flowrl.runtime.streaming`, `train:*`
+`gen-infer:*` (fuse-gen-inference) through the streaming scheduler in `flowrl.runtime.gen_infer`, `train:*`
 (fuse-train) as one interleaved call on a worker group (`ModelWorker.update_fused`) or as concurrent calls on
 several groups. A stage the backend cannot run fused runs its members one by one, as if unfused: a group that
 cannot stream, or a gen-infer stage whose groups all live in the controller's process (the local backend,
@@ -19,9 +19,9 @@ import torch
 
 from flowrl.ir.graph import Graph, Node
 from flowrl.runtime.batch import Batch, training_batch
+from flowrl.runtime.gen_infer import GenInfer
 from flowrl.runtime.protocol import WorkerGroup
 from flowrl.runtime.scoring import Pending, Scorer
-from flowrl.runtime.streaming import GenInfer
 
 
 @dataclass(frozen=True)
@@ -110,7 +110,7 @@ def _gen_infer(ctl: StageHost, gen: Node, members: list[Node], values: dict[str,
     metrics.update(stage_metrics)
     ran = [StageRun(gen, rollout, start, start + stage_metrics["fusion/gen_s"])]
     for n in forwards:
-        spans = [t for t in sched.timeline if t.what == n.id]
+        spans = sched.results.spans_of(n.id)
         first = min((t.start for t in spans), default=start)
         ran.append(StageRun(n, outs[n.id], first, max((t.end for t in spans), default=first)))
     for n in rewards:

@@ -13,11 +13,11 @@ from typing import Any
 import torch
 
 from flowrl.algos import policy_loss, value_loss
+from flowrl.engines.chunked_generation import StreamControl, Tail, generate_stream, resume_stream
 from flowrl.engines.generation import forward_logprobs, forward_logprobs_entropy, forward_values, generate
 from flowrl.engines.incremental import IncrementalScorer
 from flowrl.engines.prefix import packed_logprobs_entropy, packed_values, shared_logprobs, shared_values
 from flowrl.engines.select import Trainer, check_engine, forward_module, make_trainer
-from flowrl.engines.streaming import StreamControl, Tail, generate_stream, resume_stream
 from flowrl.engines.training import all_reduce_sum, data_parallel_world
 from flowrl.ir.graph import ModelDecl
 from flowrl.models.build import LoadedModel, ModelSpec, build_model, copy_backbone
@@ -154,7 +154,7 @@ class ModelWorker:
             ids.append(row[-max(1, context - max_tokens):])  # keep the prompt's end if it is too long
         return ids
 
-    # fuse-gen-inference: generation as a stream of finished-sample chunks (flowrl.runtime.streaming)
+    # fuse-gen-inference: generation as a stream of finished-sample chunks (flowrl.runtime.gen_infer)
     def generate_stream(self, model: str, prompts: Batch, attrs: Mapping[str, Any], *, step_seed: int,
                         first_prompt: int = 0, control: StreamControl | None = None,
                         inline: Sequence[ChunkForward] = ()) -> Iterator[Batch | Growing | Tail | Scored]:

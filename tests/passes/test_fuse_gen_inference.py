@@ -13,8 +13,8 @@ import torch
 import flowrl.dsl
 from flowrl.backends.local import LocalBackend
 from flowrl.backends.threads import ThreadBackend
+from flowrl.engines.chunked_generation import GenChunk, Sampling, Tail, generate_stream, resume_stream
 from flowrl.engines.generation import generate
-from flowrl.engines.streaming import GenChunk, Sampling, Tail, generate_stream, resume_stream
 from flowrl.ir.graph import Graph
 from flowrl.models.build import ModelSpec, build_model
 from flowrl.models.tokenizer import ByteTokenizer
@@ -110,7 +110,7 @@ def test_idempotent(ppo: Callable[..., Graph]) -> None:
     assert twice.nodes == once.nodes and [p.changed for p in twice.passes] == [True, False]
 
 
-# -- the runtime: engines/streaming.py and runtime/streaming.py -------------------------------------------
+# -- the runtime: engines/chunked_generation.py and runtime/gen_infer/ -------------------------------------------
 
 TOK = ByteTokenizer()
 PROMPTS = [[TOK.bos_id, *TOK.encode(s)] for s in ["hello world", "hi", "a somewhat longer prompt", "xyz"]]

@@ -1,4 +1,4 @@
-"""Streaming generation for the torch engine (flowrl.engines): `generate_stream` yields samples as they finish.
+"""Chunked generation for the torch engine (flowrl.engines): `generate_stream` yields samples as they finish.
 
 What `fuse-gen-inference` runs on each generation rank. It is `generate`'s decode loop (same prefill, same
 per-step noise draws, same dropping of finished rows), so a stream that runs to the end yields exactly
