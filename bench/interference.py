@@ -20,7 +20,7 @@ from passes_common import ROOT, make_side
 
 from flowrl.backends.local import LocalBackend
 from flowrl.compiler import compile_file
-from flowrl.engines import prefix
+from flowrl.engines import prompt_cache
 from flowrl.runtime.controller import _prompt_batch
 
 
@@ -38,7 +38,7 @@ def _forwards(started: Any, stop: Any) -> None:
     rollout = worker.generate("actor", prompts, dict(graph.node("rollout").attrs), step_seed=0)
     started.set()
     while not stop.is_set():
-        prefix._CACHES.clear()  # each pass computes its prompts, as a chunk forward on a fresh worker does
+        prompt_cache.clear()  # each pass computes its prompts, as a chunk forward on a fresh worker does
         worker.logprobs("actor", rollout, dict(graph.node("old_logp").attrs))
 
 

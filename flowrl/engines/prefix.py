@@ -13,16 +13,14 @@ plain forward (`flowrl.engines.forward`) runs every row's whole prompt; here the
 Every level is left-padded, holes are masked out of attention and positions count real tokens only, so each
 token sees exactly the tokens and positions of the plain forward. The output at a prompt's last token (which
 scores response token 0) comes from level B; responses run only their first T - 1 tokens. Results equal the
-plain forward to float rounding (tested <= 1e-5). Levels A and B of each module are kept (`PromptCache`) until
-its weights change, so the chunks of a streamed rollout (fuse-gen-inference) compute each prompt once too.
+plain forward to float rounding (tested <= 1e-5). Levels A and B of each module are kept until its weights
+change (`flowrl.engines.prompt_cache`), so the chunks of a streamed rollout compute each prompt once too. Which
+layout level C takes for a call (packed rows or copies) is `flowrl.engines.packing_cost`'s decision.
 """
 
 from __future__ import annotations
 
-import threading
-import weakref
-from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,15 +29,15 @@ from torch import Tensor, nn
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from flowrl.engines import packing_cost
 from flowrl.engines.forward import token_entropy, token_logprobs
+from flowrl.engines.packing_cost import packed_rows, packed_width, run_lengths
+from flowrl.engines.prompt_cache import KV, PromptCache, PromptState, cache_of, stack, store
 from flowrl.engines.trie import PrefixPlan, plan_of, plan_prefixes
 from flowrl.models.attention import NAME as ATTENTION
 from flowrl.models.build import ValueModel, cache_kw
 
-__all__ = ["PromptCache", "packed_logprobs_entropy", "packed_values", "prefill", "shared_logprobs", "shared_values"]
-
-KV = list[tuple[Tensor, Tensor]]  # per layer: keys, values (rows, heads, slots, head_dim)
-
+__all__ = ["PromptState", "packed_logprobs_entropy", "packed_values", "prefill", "shared_logprobs", "shared_values"]
 
 # -- running the levels -----------------------------------------------------------------------------------
 
@@ -91,16 +89,6 @@ def _level(module: nn.Module, ids: Tensor, mask: Tensor, start: Tensor, past: KV
     attn = mask if past_mask is None else torch.cat([past_mask, mask], dim=1)  # (b, s + w)
     positions = (start[:, None] + mask.cumsum(-1) - 1).clamp(min=0)  # (b, w)
     return _run(module, ids, attn, positions, past, keep)
-
-
-@dataclass
-class PromptState:
-    """The prompt levels (A and B) computed once per unique prompt: what responses and decoding attend to."""
-
-    kv: KV  # (U, heads, W, d) per layer
-    mask: Tensor  # (U, W) 1 where a slot holds a real prompt token
-    lengths: Tensor  # (U,) prompt length = position of response token 0
-    last: Tensor  # (U, V) logits or (U, H) hidden state at each prompt's last token
 
 
 def prefill(module: nn.Module, plan: PrefixPlan, pad: int, device: torch.device) -> PromptState:
@@ -160,35 +148,10 @@ class _Packing:
     own: Tensor  # (U', q, q) True where a token may attend to another: same sample, not later, not padding
 
 
-def _run_lengths(response_mask: Tensor) -> Tensor:
-    """(b,) how many leading response tokens each sample runs: all but its last real one (the last one's output
-    scores nothing). A mask that is not one run of 1s from the start keeps every column (nothing left out)."""
-    width = response_mask.shape[1] - 1
-    lens = response_mask.long().sum(1)
-    leading = torch.arange(response_mask.shape[1], device=response_mask.device)[None] < lens[:, None]
-    if not bool((response_mask.bool() == leading).all()):
-        return torch.full_like(lens, width)
-    return (lens - 1).clamp(min=0, max=width)
-
-
-def _packed_rows(row_prompt: Sequence[int], response_mask: Tensor) -> dict[int, int]:
-    """The packed rows `_packing` would build for these rows: unique prompt -> the tokens of its samples."""
-    runs = _run_lengths(response_mask).tolist()
-    per: dict[int, int] = {}
-    for u, n in zip(row_prompt, runs, strict=True):
-        per[u] = per.get(u, 0) + n
-    return per
-
-
-def _packed_width(row_prompt: Sequence[int], response_mask: Tensor) -> int:
-    """The longest packed row `_packing` would build for these rows: the tokens of a prompt's samples."""
-    return max(_packed_rows(row_prompt, response_mask).values(), default=0)
-
-
 def _packing(prompts: Tensor, response_ids: Tensor, response_mask: Tensor) -> _Packing:
     dev = prompts.device
     units, slot = torch.unique(prompts, return_inverse=True)
-    runs = _run_lengths(response_mask)
+    runs = run_lengths(response_mask)
     offset = torch.zeros_like(prompts)  # where each sample's tokens start in its packed row
     for u in range(len(units)):
         mine = (slot == u).nonzero().squeeze(1)
@@ -256,11 +219,6 @@ def _single_pass(module: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, pro
     return _unpack(out[:, 1:], pk, out[:, 0][pk.slot], response_ids.shape[1]), state
 
 
-PACK_LIMIT = 1024  # packed rows longer than this would make the (q, q) mask cost more than the copies saved
-COPY_COST = 1 / 16  # a prompt token's keys and values copied for one sample, in token runs (`_packing_pays`)
-PACKING = "auto"  # "auto": packed rows where they cost less (`_packing_pays`); "always" (tests): wherever allowed
-
-
 PACKABLE = ("sdpa", "eager", ATTENTION)  # attention that takes any 4-D mask (flash kernels take none)
 
 
@@ -269,72 +227,18 @@ def _attention(module: nn.Module) -> str:
     return str(getattr(lm.config, "_attn_implementation", "eager"))
 
 
-class PromptCache:
-    """One module's computed prompts (levels A + B, one row each), reused by its later forwards until any of
-    its parameters changes in place (an optimizer step, a weight load: `Tensor._version` moves)."""
-
-    CAPACITY = 512  # prompts kept, least recently used dropped first
-
-    def __init__(self) -> None:
-        self.version = -1
-        self.entries: OrderedDict[tuple[int, ...], PromptState] = OrderedDict()
-        self.lock = threading.Lock()
-
-
-_CACHES: weakref.WeakKeyDictionary[nn.Module, PromptCache] = weakref.WeakKeyDictionary()
-_CACHES_LOCK = threading.Lock()
-
-
-def _cache_of(module: nn.Module) -> PromptCache:
-    with _CACHES_LOCK:
-        cache = _CACHES.setdefault(module, PromptCache())
-    version = sum(p._version for p in module.parameters())
-    with cache.lock:
-        if version != cache.version:
-            cache.entries.clear()
-            cache.version = version
-    return cache
-
-
 def _prompt_states(module: nn.Module, plan: PrefixPlan, min_len: int, pad: int, device: torch.device,
                    cache: PromptCache) -> PromptState:
     """The PromptState of every unique prompt of `plan`: from the cache, the missing ones computed now."""
     with cache.lock:
         missing = [p for p in plan.unique if p not in cache.entries]
     if missing:
-        _store(cache, missing, prefill(module, plan_of(missing, [], min_len), pad, device))
+        store(cache, missing, prefill(module, plan_of(missing, [], min_len), pad, device))
     with cache.lock:
         rows = [cache.entries[p] for p in plan.unique]
         for p in plan.unique:
             cache.entries.move_to_end(p)
-    return _stack(rows)
-
-
-def _store(cache: PromptCache, prompts: Sequence[tuple[int, ...]], state: PromptState) -> None:
-    """Keep row i of `state` as the computed prompt `prompts[i]` (copied: a row must not pin its batch)."""
-    with cache.lock:
-        for i, p in enumerate(prompts):
-            cache.entries[p] = PromptState([(k[i : i + 1].clone(), v[i : i + 1].clone()) for k, v in state.kv],
-                                           state.mask[i : i + 1].clone(), state.lengths[i : i + 1].clone(),
-                                           state.last[i : i + 1].clone())
-            cache.entries.move_to_end(p)
-        while len(cache.entries) > cache.CAPACITY:
-            cache.entries.popitem(last=False)
-
-
-def _stack(rows: Sequence[PromptState]) -> PromptState:
-    """One PromptState of single-prompt states, left-padded to the widest (zero keys/values, mask 0)."""
-    width = max(r.mask.shape[1] for r in rows)
-
-    def left(x: Tensor, dim: int) -> Tensor:
-        gap = list(x.shape)
-        gap[dim] = width - x.shape[dim]
-        return torch.cat([x.new_zeros(gap), x], dim=dim)
-
-    kv = [(torch.cat([left(r.kv[i][0], 2) for r in rows]), torch.cat([left(r.kv[i][1], 2) for r in rows]))
-          for i in range(len(rows[0].kv))]
-    return PromptState(kv, torch.cat([left(r.mask, 1) for r in rows]), torch.cat([r.lengths for r in rows]),
-                       torch.cat([r.last for r in rows]))
+    return stack(rows)
 
 
 def _shared(module: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor,
@@ -343,7 +247,7 @@ def _shared(module: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, response
     if response_ids.shape[1] == 0 or prompt_ids.shape[0] == 0 or not _supports_cache(module):
         return None
     plan = plan_prefixes(prompt_ids, prompt_mask, min_len)
-    cache = _cache_of(module)
+    cache = cache_of(module)
     with cache.lock:
         cached = any(p in cache.entries for p in plan.unique)
     if not plan.worth_it(min_len, cached):
@@ -353,16 +257,17 @@ def _shared(module: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, response
     row_prompt = torch.tensor(plan.row_prompt, device=device)
     packed = _attention(module) in PACKABLE and response_ids.shape[1] > 1
     if packed:
-        per_prompt = _packed_rows(plan.row_prompt, response_mask)
-        packed = max(per_prompt.values(), default=0) <= PACK_LIMIT and (
-            PACKING == "always" or _packing_pays(module, per_prompt, prompt_ids.shape[1], response_mask.shape))
+        per_prompt = packed_rows(plan.row_prompt, response_mask)
+        packed = max(per_prompt.values(), default=0) <= packing_cost.PACK_LIMIT and (
+            packing_cost.PACKING == "always"
+            or packing_cost.packing_pays(module, per_prompt, prompt_ids.shape[1], response_mask.shape))
     with torch.inference_mode():
         if packed and not plan.groups and not cached:  # nothing to reuse: prompts and responses in one call
             for rows in _row_chunks(plan.row_prompt, micro_batch):
                 idx = torch.tensor(rows, device=device)
                 outputs, state = _single_pass(module, prompt_ids[idx], prompt_mask[idx], row_prompt[idx],
                                               response_ids[idx], response_mask[idx])
-                _store(cache, [plan.unique[int(u)] for u in torch.unique(row_prompt[idx])], state)
+                store(cache, [plan.unique[int(u)] for u in torch.unique(row_prompt[idx])], state)
                 out[idx] = finish(outputs, response_ids[idx], response_mask[idx].long())
             return out
         state = _prompt_states(module, plan, min_len, pad, device, cache)
@@ -372,29 +277,6 @@ def _shared(module: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, response
             outputs = run(module, state, row_prompt[idx], response_ids[idx], response_mask[idx])
             out[idx] = finish(outputs, response_ids[idx], response_mask[idx].long())
     return out
-
-
-def _packing_pays(module: nn.Module, packed_rows: Mapping[int, int], prompt_width: int,
-                  response_shape: Sequence[int]) -> bool:
-    """Whether packed rows cost less than running each sample on a copy of its prompt's cache. Packed, a
-    prompt's samples run as one row and the rows are padded to the longest (U' x q tokens, each attending up to
-    P + q places); on copies, every sample runs padded to the longest response (N x (T - 1) tokens, P + T - 1
-    places) after a copy of its prompt's keys and values (N x P). Per layer a token costs ~24 d^2 multiply-adds
-    in the linear layers and an attended place ~4 d (d: the hidden size); a copied prompt token about 1/16 of a
-    token run (fitted on CPU). Short samples pack well; a long tail packs into long rows that cost more than
-    the copies saved. Measured (CPU, one thread): 20 tail samples of a long-tail batch 30.7 ms packed vs 15.9 ms
-    on copies; the whole batch of 128, 58 ms vs 120 ms; 8 prompts of 65 tokens x 8 samples of 16, 0.190 s vs
-    0.225 s for the four forwards of bench/passes_share_prefix.py."""
-    units, q = len(packed_rows), max(packed_rows.values(), default=0)
-    rows, width = response_shape[0], response_shape[1] - 1
-    lm: Any = module.backbone if isinstance(module, ValueModel) else module
-    per_place = 1.0 / (6 * max(1, int(getattr(lm.config, "hidden_size", 0) or 768)))  # 4d / 24d^2
-
-    def cost(tokens: int, places: int) -> float:
-        return tokens * (1.0 + places * per_place)
-
-    copies = rows * prompt_width * COPY_COST
-    return cost(units * q, prompt_width + q) <= cost(rows * width, prompt_width + width) + copies
 
 
 def _row_chunks(row_prompt: Sequence[int], micro_batch: int) -> list[list[int]]:
@@ -452,7 +334,7 @@ def _packed_train(module: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, re
     plan = plan_prefixes(prompt_ids, prompt_mask, min_len)
     per_prompt = max(plan.row_prompt.count(u) for u in set(plan.row_prompt))
     if per_prompt < 2 or max(len(p) for p in plan.unique) < min_len or \
-            _packed_width(plan.row_prompt, response_mask) > PACK_LIMIT:
+            packed_width(plan.row_prompt, response_mask) > packing_cost.PACK_LIMIT:
         return None
     row_prompt = torch.tensor(plan.row_prompt, device=response_ids.device)
     outputs, _ = _single_pass(module, prompt_ids, prompt_mask, row_prompt, response_ids, response_mask)

@@ -17,6 +17,7 @@ from flowrl.engines.chunked_generation import StreamControl, Tail, generate_stre
 from flowrl.engines.generation import forward_logprobs, forward_logprobs_entropy, forward_values, generate
 from flowrl.engines.incremental import IncrementalScorer
 from flowrl.engines.prefix import packed_logprobs_entropy, packed_values, shared_logprobs, shared_values
+from flowrl.engines.prompt_cache import weights_changed
 from flowrl.engines.select import Trainer, check_engine, forward_module, make_trainer
 from flowrl.engines.training import all_reduce_sum, data_parallel_world
 from flowrl.ir.graph import ModelDecl
@@ -262,6 +263,7 @@ class ModelWorker:
                 for k, v in metrics.items():
                     sums[k] = sums.get(k, 0.0) + float(v)
                 count += 1
+        weights_changed(self.models[model].module)  # its cached prompts (share-prefix) are stale now
         if model in self.generators:  # vLLM holds its own copy of the weights: push the new ones
             self.generators[model].load_weights(self.models[model].module.state_dict())
         return {k: v / max(count, 1) for k, v in sums.items()}
@@ -338,6 +340,7 @@ class ModelWorker:
             if name not in self.models:
                 continue
             self.models[name].module.load_state_dict(s["module"])
+            weights_changed(self.models[name].module)
             if s.get("optim") is not None and name in self.trainers:
                 self.trainers[name].load_state_dict(s["optim"])
             if name in self.generators:
@@ -348,6 +351,7 @@ class ModelWorker:
 
     def load_weights(self, model: str, weights: Mapping[str, torch.Tensor]) -> None:
         self.models[model].module.load_state_dict(weights)
+        weights_changed(self.models[model].module)
 
     def pad_id(self, model: str) -> int:
         """The token id that pads `model`'s rollouts (what a group merging its ranks' rollouts fills with)."""

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import Tensor
 
-from flowrl.engines import prefix
+from flowrl.engines import packing_cost, prefix, prompt_cache
 from flowrl.engines.forward import forward_logprobs, forward_logprobs_entropy, forward_values
 from flowrl.engines.generation import generate
 from flowrl.engines.prefix import packed_logprobs_entropy, packed_values, shared_logprobs, shared_values
@@ -85,7 +85,7 @@ def test_idempotent(ppo: Callable[..., Graph]) -> None:
     assert [p.changed for p in twice.passes] == [True, False]
 
 
-# -- the runtime: engines/prefix.py ------------------------------------------------------------------------
+# -- the runtime: engines/prefix.py, packing_cost.py, prompt_cache.py -----------------------------------------
 
 TOK = ByteTokenizer()
 
@@ -121,9 +121,9 @@ def test_shared_forwards_equal_the_plain_forward(family: str, min_len: int, layo
     policy, args = _rollout(family)
     critic = build_model(ModelSpec(f"tiny:{family}", {"layers": 2, "dim": 32, "heads": 2}, role="critic"), 1).module
     if layout == "copies":  # every sample attends to its own copy of its prompt's cache
-        monkeypatch.setattr(prefix, "PACK_LIMIT", 0)
+        monkeypatch.setattr(packing_cost, "PACK_LIMIT", 0)
     else:  # packed wherever allowed, whichever costs less here
-        monkeypatch.setattr(prefix, "PACKING", "always")
+        monkeypatch.setattr(packing_cost, "PACKING", "always")
     if layout == "eager":  # packed rows with a float mask (eager attention adds it to the scores)
         for model in (policy, critic):
             monkeypatch.setattr(model.config, "_attn_implementation", "eager")
@@ -145,12 +145,12 @@ def test_prompts_and_packed_samples_in_one_forward_equal_the_plain_forward(famil
     policy, args = _rollout(family, DISTINCT)
     if eager:
         monkeypatch.setattr(policy.config, "_attn_implementation", "eager")
-    monkeypatch.setattr(prefix, "PACKING", "always")  # whether it costs less here or not
+    monkeypatch.setattr(packing_cost, "PACKING", "always")  # whether it costs less here or not
     calls: list[int] = []
     single = prefix._single_pass
     monkeypatch.setattr(prefix, "_single_pass", lambda *a: calls.append(1) or single(*a))
     for micro in (0, 6):
-        prefix._CACHES.clear()
+        prompt_cache.clear()
         shared = shared_logprobs(policy, *args, temperature=0.7, min_len=16, micro_batch=micro, pad=TOK.pad_id)
         assert shared is not None and (shared - forward_logprobs(policy, *args, temperature=0.7)).abs().max() <= 1e-5
     assert calls == [1, 1, 1]  # one call for the whole rollout, then two micro-batches of two prompts
@@ -177,8 +177,8 @@ def test_packing_is_chosen_where_it_costs_less_with_the_same_numbers(monkeypatch
     packed = prefix._responses_packed
     monkeypatch.setattr(prefix, "_responses_packed", lambda *a: calls.append(1) or packed(*a))
     for layout, packed_calls in (("auto", 0), ("always", 1)):  # auto: on copies; always: packed
-        monkeypatch.setattr(prefix, "PACKING", layout)
-        prefix._CACHES.clear()
+        monkeypatch.setattr(packing_cost, "PACKING", layout)
+        prompt_cache.clear()
         calls.clear()
         for _ in range(2):  # nothing computed yet (one pass), then prompts computed (the two-level path)
             shared = shared_logprobs(policy, *args, min_len=4, pad=0)
@@ -187,7 +187,7 @@ def test_packing_is_chosen_where_it_costs_less_with_the_same_numbers(monkeypatch
 
 
 def _pays(policy: torch.nn.Module, row_prompt: list[int], mask: Tensor) -> bool:
-    return prefix._packing_pays(policy, prefix._packed_rows(row_prompt, mask), 20, mask.shape)  # prompts of 20
+    return packing_cost.packing_pays(policy, packing_cost.packed_rows(row_prompt, mask), 20, mask.shape)  # prompts of 20
 
 
 def _mask(lengths: Tensor, width: int) -> Tensor:
@@ -245,7 +245,8 @@ def test_computed_prompts_are_reused_until_the_weights_change(monkeypatch: pytes
         assert got is not None and (got - whole[part]).abs().max() <= 1e-5
     assert calls == [3, 2]  # the third call found its prompts computed
     with torch.no_grad():
-        next(policy.parameters()).add_(0.0)  # an in-place update: every computed prompt is stale
+        next(policy.parameters()).add_(0.0)  # an in-place update: every computed prompt is stale ...
+    prompt_cache.weights_changed(policy)  # ... as whatever changed the weights says
     shared_logprobs(policy, *(a[first] for a in args), min_len=4, pad=TOK.pad_id)
     assert calls == [3, 2, 3]
 
@@ -273,7 +274,7 @@ def test_packed_rows_leave_the_padding_out_and_equal_the_plain_forward(family: s
     pk = prefix._packing(torch.tensor(rows), args[2], args[3])
     assert pk.ids.shape[1] == max(real.values()) < 6 * 23
     assert int(pk.own.shape[0]) == len(real) and len(pk.sample) == sum(real.values())
-    prefix._CACHES.clear()
+    prompt_cache.clear()
     plain = forward_logprobs(policy, *args, temperature=0.7)
     shared = shared_logprobs(policy, *args, temperature=0.7, min_len=4, pad=TOK.pad_id)
     assert shared is not None and (shared - plain).abs().max() <= 1e-5
@@ -287,5 +288,39 @@ def test_packed_rows_leave_the_padding_out_and_equal_the_plain_forward(family: s
 def test_a_mask_with_holes_keeps_every_column() -> None:
     """Padding is only left out of masks that are one run of 1s from the start; others keep the full width."""
     mask = torch.tensor([[1, 1, 0, 0], [1, 0, 1, 0]])
-    assert prefix._run_lengths(mask[:1]).tolist() == [1]
-    assert prefix._run_lengths(mask).tolist() == [3, 3]
+    assert packing_cost.run_lengths(mask[:1]).tolist() == [1]
+    assert packing_cost.run_lengths(mask).tolist() == [3, 3]
+
+
+def test_cached_prompts_are_dropped_once_the_weights_change() -> None:
+    """The prompt cache is keyed by module and emptied by `weights_changed`: a shared forward after an optimizer
+    step or a weight load computes with the new weights (equal to the plain forward), not the cached prompts."""
+    from flowrl.engines.prompt_cache import cache_of, weights_changed
+
+    policy, args = _rollout("gpt2")
+    prompt_cache.clear()
+    first = shared_logprobs(policy, *args, min_len=4, pad=TOK.pad_id)
+    assert first is not None and cache_of(policy).entries  # the prompts are cached
+    opt = torch.optim.SGD(policy.parameters(), lr=0.5)
+    loss = -forward_logprobs(policy, *args, with_grad=True).sum()
+    loss.backward()
+    opt.step()  # the weights change in place
+    weights_changed(policy)
+    after = shared_logprobs(policy, *args, min_len=4, pad=TOK.pad_id)
+    plain = forward_logprobs(policy, *args)
+    assert after is not None and (after - plain).abs().max() <= 1e-5 and (after - first).abs().max() > 1e-3
+
+
+def test_a_worker_marks_its_weights_changed_after_an_update_and_a_weight_load() -> None:
+    """Every place flowrl changes weights says so: a ModelWorker's update and load_weights bump the version."""
+    from flowrl.engines import prompt_cache as pc
+    from flowrl.ir.graph import Loc, ModelDecl
+    from flowrl.runtime.worker import ModelWorker
+
+    decl = ModelDecl("actor", "policy", "tiny:gpt2", Loc("t.flow", 1, 1),
+                     config={"layers": 1, "dim": 32, "heads": 2}, trainable=True, lr=1e-2)
+    worker = ModelWorker([decl], [decl], seed=0)
+    module = worker.models["actor"].module
+    before = pc.cache_of(module).version
+    worker.load_weights("actor", worker.weights("actor"))
+    assert pc.cache_of(module).version == before + 1

@@ -82,7 +82,7 @@ class _ExportAtOnce:
 def test_a_tail_exported_by_one_ray_rank_resumes_on_another_with_the_same_samples(flow_text: Any) -> None:
     import flowrl
     from flowrl.backends.ray import RayBackend
-    from flowrl.engines.streaming import Tail
+    from flowrl.engines.chunked_generation import Tail
     from flowrl.runtime.batch import Batch
     from flowrl.runtime.chunks import assemble
 
