@@ -141,6 +141,18 @@ FUNCTIONS: dict[str, Signature] = {
 REWARD = Signature("reward", (_n("rollout"),), op="reward")
 
 
+# Keys the passes add to nodes (never written in a flow), with the value a node without the key has.
+PASS_KEYS: dict[str, Value] = {
+    "share_prefix": False,  # share-prefix: run each prompt prefix once
+    "prefix_min_len": 16,  # share-prefix: shortest common opening worth computing once
+    "stream_chunk": 0,  # fuse-gen-inference: samples per hand-off (0: one chunk at the end)
+    "flush_steps": 0,  # fuse-gen-inference: decode steps after which finished samples go out anyway (0: never)
+    "partial_below": 0.0,  # score-tail: unfinished fraction under which growing samples go out (0: never)
+    "chunk_forwards": "own-rank",  # fuse-gen-inference: who runs a chunk's forwards on the generation group
+    "migrate_below": 0.2,  # fuse-gen-inference: unfinished fraction under which the long tail migrates
+}
+
+
 # Keys allowed in declarations: name -> (kind, default). Unknown keys are declaration errors (with a
 # did-you-mean hint), so typos never pass silently. Tiny-model keys only apply to `tiny:` sources.
 MODEL_KEYS: dict[str, tuple[str, Value]] = {

@@ -20,6 +20,7 @@ while the tail still decodes (a stage of generation and such rewards alone fuses
 
 from __future__ import annotations
 
+from flowrl.ir.attrs import GenerateAttrs
 from flowrl.ir.graph import Graph, Node
 from flowrl.passes.common import forwards_over, position, rewards_over, rollouts, scored_beside
 from flowrl.passes.registry import register
@@ -49,7 +50,7 @@ def why_not_stream(graph: Graph, gen: Node) -> str | None:
     if model.engine != "torch":
         # Only flowrl's torch generation engine yields samples as they finish.
         return f"{model.name} uses engine {model.engine!r}, which cannot hand samples over as they finish"
-    max_tokens = int(str(gen.attrs.get("max_tokens", 0)))
+    max_tokens = GenerateAttrs.of(gen.attrs).max_tokens
     if max_tokens < MIN_STREAM_TOKENS:
         # Every response is done within a handful of steps: no long tail to hide anything behind.
         return f"max_tokens = {max_tokens} < {MIN_STREAM_TOKENS}: samples finish too close together to stream"
@@ -92,7 +93,7 @@ def chunk_size(graph: Graph, gen: Node) -> int:
     src = gen.input("prompts")
     decl = next((d for d in graph.data if d.name == src), None)
     prompts = int(str(decl.options.get("batch", 8))) if decl is not None else 8
-    samples = prompts * int(str(gen.attrs.get("n", 1)))
+    samples = prompts * GenerateAttrs.of(gen.attrs).n
     return max(MIN_CHUNK, -(-samples // CHUNKS))
 
 

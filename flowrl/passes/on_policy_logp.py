@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from flowrl.ir.attrs import UpdateAttrs
 from flowrl.ir.graph import Graph, Node
 from flowrl.passes.registry import register
 
@@ -27,8 +28,9 @@ def why_not_reuse(graph: Graph, update: Node, src: Node) -> str | None:
         return f"old_logp is computed by {src.model}, not by {update.model}, the model being trained"
     if src.input("rollout") != update.input("rollout"):
         return f"old_logp scores `{src.input('rollout')}`, but the update trains on `{update.input('rollout')}`"
-    for key in ("epochs", "mini_batches"):
-        if int(str(update.attrs.get(key, 1))) != 1:
+    steps = UpdateAttrs.of(update.attrs)
+    for key, value in (("epochs", steps.epochs), ("mini_batches", steps.mini_batches)):
+        if value != 1:
             # After the first optimizer step the weights have moved: the old log-probs must be kept.
             return f"{key} = {update.attrs[key]}: later optimizer steps need the log-probs from before the first"
     # A flow updates a model once per step (the language checks it), so nothing else moves the weights

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from flowrl.data.jsonl import read_jsonl
 from flowrl.errors import DataError
+from flowrl.ir.attrs import GenerateAttrs
 from flowrl.ir.graph import Graph, Node
 from flowrl.passes.common import DataPrompts, forwards_over, rollouts, updates_over
 from flowrl.passes.registry import register
@@ -44,7 +45,7 @@ def why_not_share(graph: Graph, gen: Node, min_len: int = MIN_LEN) -> str | None
     if model.engine != "torch":
         # vLLM and other engines keep their own prefix cache; flowrl's sharing is for the torch engines.
         return f"{model.name} uses engine {model.engine!r}, which manages its own prefix cache"
-    n = int(str(gen.attrs.get("n", 1)))
+    n = GenerateAttrs.of(gen.attrs).n
     data = prompts_of(graph, gen)
     if data is not None and data.max_tokens() < min_len:
         # Every prompt is shorter than the minimum: a second cache pass would cost more than it saves.
@@ -60,7 +61,7 @@ def why_not_share(graph: Graph, gen: Node, min_len: int = MIN_LEN) -> str | None
 
 
 def _reason(graph: Graph, gen: Node, data: DataPrompts | None) -> str:
-    n = int(str(gen.attrs.get("n", 1)))
+    n = GenerateAttrs.of(gen.attrs).n
     parts = [f"n = {n} samples share each prompt"] if n > 1 else []
     if data is not None and data.share_prefix(MIN_LEN):
         parts.append(f"prompts in `{data.name}` share prefixes of >= {MIN_LEN} tokens")

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from flowrl.engines.chunked_generation import GenChunk, Sampling, Tail
+from flowrl.ir.attrs import GenerateAttrs
 from flowrl.models.tokenizer import Tokenizer
 from flowrl.runtime.batch import Batch
 
@@ -27,21 +28,12 @@ GROWING_KEYS = ("sample", "pad", "prompt_ids", "prompt_mask", "response_ids", "r
 OUTPUT = {"logprobs": "logp", "values": "values", "score": "scores"}  # forward op -> its output field
 
 
-def sampling_of(attrs: Mapping[str, Any]) -> Sampling:
-    return Sampling(int(attrs.get("max_tokens", 256)), int(attrs.get("min_tokens", 0)),
-                    float(attrs.get("temperature", 1.0)), float(attrs.get("top_p", 1.0)))
+def sampling_of(a: GenerateAttrs) -> Sampling:
+    return Sampling(a.max_tokens, a.min_tokens, a.temperature, a.top_p)
 
 
-def chunk_of(attrs: Mapping[str, Any]) -> int:
-    return int(attrs.get("stream_chunk", 0) or 0) or 1 << 30  # no stream_chunk: one chunk at the end
-
-
-def flush_of(attrs: Mapping[str, Any]) -> int:
-    return int(attrs.get("flush_steps", 0) or 0)  # 0: chunks go out full (or at the end)
-
-
-def partial_of(attrs: Mapping[str, Any]) -> float:
-    return float(attrs.get("partial_below", 0) or 0)  # 0: unfinished samples never go out
+def chunk_of(a: GenerateAttrs) -> int:
+    return a.stream_chunk or 1 << 30  # no stream_chunk: one chunk at the end
 
 
 @dataclass(frozen=True)
@@ -51,10 +43,10 @@ class Growing:
     batch: Batch
 
 
-def chunk_batches(stream: Iterator[GenChunk | Tail], tok: Tokenizer, n: int,
-                  attrs: Mapping[str, Any]) -> Iterator[Batch | Growing | Tail]:
+def chunk_batches(stream: Iterator[GenChunk | Tail], tok: Tokenizer,
+                  a: GenerateAttrs) -> Iterator[Batch | Growing | Tail]:
     """Engine chunks as rollout `Batch`es (the fields `ModelWorker.generate` returns, plus SCRATCH)."""
-    temperature = float(attrs.get("temperature", 1.0))
+    temperature, n = a.temperature, a.n
     for item in stream:
         if isinstance(item, Tail):
             yield item

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from flowrl.engines.training import merge_ranks
+from flowrl.ir.attrs import UpdateAttrs
 from flowrl.runtime.batch import Batch
 
 MODES = ("split", "broadcast", "rank0")
@@ -32,7 +33,7 @@ UPDATES = frozenset({"update", "update_fused"})  # optimizer steps: every rank m
 # Methods that change a rank's state: the group snapshots its weights after each one (for restarts).
 MUTATING = UPDATES | {"load_state_dict", "load_weights"}
 # Methods that run a model (the ones the test-only crash hook counts).
-MODEL_CALLS = UPDATES | {"generate", "logprobs", "values", "score", "generate_stream", "resume_stream"}
+MODEL_CALLS = UPDATES | {"generate", "logprobs", "values", "score"}
 
 
 class DispatchError(ValueError):
@@ -116,7 +117,7 @@ def _check_update_split(args: Sequence[Any], where: int, world: int) -> None:
     batches = data if isinstance(data, list) else [data]
     attrs = after if isinstance(after, list) else [after] * len(batches)
     for batch, a in zip(batches, attrs, strict=False):
-        parts = max(1, int((a if isinstance(a, Mapping) else {}).get("mini_batches", 1) or 1))
+        parts = max(1, UpdateAttrs.of(a if isinstance(a, Mapping) else {}).mini_batches)
         if batch.size // world < parts:
             raise DispatchError(f"cannot split an update batch of {batch.size} samples over {world} ranks with "
                                 f"{parts} mini-batches: every rank needs a sample in each mini-batch (they all "

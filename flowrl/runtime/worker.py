@@ -20,6 +20,7 @@ from flowrl.engines.prefix import packed_logprobs_entropy, packed_values, shared
 from flowrl.engines.prompt_cache import weights_changed
 from flowrl.engines.select import Trainer, check_engine, forward_module, make_trainer
 from flowrl.engines.training import all_reduce_sum, data_parallel_world
+from flowrl.ir.attrs import ForwardAttrs, GenerateAttrs, UpdateAttrs
 from flowrl.ir.graph import ModelDecl
 from flowrl.models.build import LoadedModel, ModelSpec, build_model, copy_backbone
 from flowrl.runtime.batch import Batch
@@ -29,8 +30,6 @@ from flowrl.runtime.chunks import (
     Scored,
     chunk_batches,
     chunk_of,
-    flush_of,
-    partial_of,
     sampling_of,
     score_chunks,
 )
@@ -112,20 +111,18 @@ class ModelWorker:
     def generate(self, model: str, prompts: Batch, attrs: Mapping[str, Any], *, step_seed: int) -> Batch:
         loaded = self.models[model]
         tok = loaded.tokenizer
-        n = int(attrs.get("n", 1))
-        max_tokens = int(attrs.get("max_tokens", 256))
-        ids = self._prompt_ids(model, prompts, max_tokens)
+        a = GenerateAttrs.of(attrs)
+        ids = self._prompt_ids(model, prompts, a.max_tokens)
         gen = torch.Generator(device="cpu").manual_seed(step_seed)
         if model in self.generators:  # engine = "vllm"
             out = self.generators[model].generate(
-                ids, n=n, max_tokens=max_tokens, min_tokens=int(attrs.get("min_tokens", 0)),
-                temperature=float(attrs.get("temperature", 1.0)), top_p=float(attrs.get("top_p", 1.0)),
-                seed=step_seed)
+                ids, n=a.n, max_tokens=a.max_tokens, min_tokens=a.min_tokens, temperature=a.temperature,
+                top_p=a.top_p, seed=step_seed)
         else:
             out = generate(
-                loaded.module, tok, ids, n=n, max_tokens=max_tokens, min_tokens=int(attrs.get("min_tokens", 0)),
-                temperature=float(attrs.get("temperature", 1.0)), top_p=float(attrs.get("top_p", 1.0)),
-                generator=gen, share_prefix=bool(attrs.get("share_prefix", False)), device=str(self.device),
+                loaded.module, tok, ids, n=a.n, max_tokens=a.max_tokens, min_tokens=a.min_tokens,
+                temperature=a.temperature, top_p=a.top_p, generator=gen, share_prefix=a.share_prefix,
+                device=str(self.device),
             )
         index = out.prompt_index.cpu()
         responses = [tok.decode([int(t) for t, m in zip(r, mk, strict=True) if m]) for r, mk in
@@ -136,7 +133,7 @@ class ModelWorker:
             "prompt_ids": out.prompt_ids.cpu(), "prompt_mask": out.prompt_mask.cpu(),
             "response_ids": out.response_ids.cpu(), "response_mask": out.response_mask.cpu(),
             "group_id": index.clone(),
-            "temperature": torch.full((size,), float(attrs.get("temperature", 1.0))),
+            "temperature": torch.full((size,), a.temperature),
             "gen_logp": out.logprobs.cpu(),
         }
         meta = {k: [v[i] for i in rows] for k, v in prompts.meta.items()}
@@ -161,23 +158,23 @@ class ModelWorker:
                         inline: Sequence[ChunkForward] = ()) -> Iterator[Batch | Growing | Tail | Scored]:
         """`generate`'s samples (same seed, same samples), handed over in chunks as they finish. With `inline`,
         this rank runs those forwards on each chunk right away, between decode steps (`Scored` items)."""
-        loaded, n = self.models[model], int(attrs.get("n", 1))
-        ids = self._prompt_ids(model, prompts, int(attrs.get("max_tokens", 256)))
-        stream = generate_stream(loaded.module, loaded.tokenizer, ids, n=n, sampling=sampling_of(attrs),
+        loaded, a = self.models[model], GenerateAttrs.of(attrs)
+        ids = self._prompt_ids(model, prompts, a.max_tokens)
+        stream = generate_stream(loaded.module, loaded.tokenizer, ids, n=a.n, sampling=sampling_of(a),
                                  generator=torch.Generator(device="cpu").manual_seed(step_seed),
-                                 chunk=chunk_of(attrs), share_prefix=bool(attrs.get("share_prefix", False)),
-                                 first_sample=first_prompt * n, control=control, flush=flush_of(attrs),
-                                 partial=partial_of(attrs), device=str(self.device))
-        return score_chunks(self, chunk_batches(stream, loaded.tokenizer, n, attrs), inline)
+                                 chunk=chunk_of(a), share_prefix=a.share_prefix, first_sample=first_prompt * a.n,
+                                 control=control, flush=a.flush_steps, partial=a.partial_below,
+                                 device=str(self.device))
+        return score_chunks(self, chunk_batches(stream, loaded.tokenizer, a), inline)
 
     def resume_stream(self, model: str, tails: Sequence[Tail], attrs: Mapping[str, Any], *,
                       control: StreamControl | None = None) -> Iterator[Batch | Growing | Tail]:
         """Continue unfinished rows migrated from other ranks (the long tail) as one batch."""
-        loaded = self.models[model]
-        stream = resume_stream(loaded.module, loaded.tokenizer, tails, sampling=sampling_of(attrs),
-                               chunk=chunk_of(attrs), control=control, flush=flush_of(attrs),
-                               partial=partial_of(attrs), device=str(self.device))
-        return chunk_batches(stream, loaded.tokenizer, int(attrs.get("n", 1)), attrs)
+        loaded, a = self.models[model], GenerateAttrs.of(attrs)
+        stream = resume_stream(loaded.module, loaded.tokenizer, tails, sampling=sampling_of(a), chunk=chunk_of(a),
+                               control=control, flush=a.flush_steps, partial=a.partial_below,
+                               device=str(self.device))
+        return chunk_batches(stream, loaded.tokenizer, a)
 
     def _inputs(self, rollout: Batch) -> tuple[torch.Tensor, ...]:
         d = self.device
@@ -185,27 +182,26 @@ class ModelWorker:
 
     def logprobs(self, model: str, rollout: Batch, attrs: Mapping[str, Any]) -> Batch:
         temp = float(rollout["temperature"][0]) if "temperature" in rollout.tensors else 1.0
-        module, micro = self.models[model].module, int(attrs.get("micro_batch", 0))
+        module, a = self.models[model].module, ForwardAttrs.of(attrs)
+        micro = a.micro_batch
         logp = None
-        if attrs.get("share_prefix"):  # the share-prefix pass: each prompt prefix runs once (engines/prefix.py)
+        if a.share_prefix:  # the share-prefix pass: each prompt prefix runs once (engines/prefix.py)
             logp = shared_logprobs(module, *self._inputs(rollout), temperature=_safe_temp(temp), micro_batch=micro,
-                                   min_len=int(attrs.get("prefix_min_len", 16)), pad=self._pad(model))
+                                   min_len=a.prefix_min_len, pad=self.pad_id(model))
         if logp is None:
             logp = forward_logprobs(module, *self._inputs(rollout), temperature=_safe_temp(temp), micro_batch=micro)
         return rollout.derive("logp", logp=logp.cpu())
 
     def values(self, model: str, rollout: Batch, attrs: Mapping[str, Any]) -> Batch:
-        module, micro = self.models[model].module, int(attrs.get("micro_batch", 0))
+        module, a = self.models[model].module, ForwardAttrs.of(attrs)
+        micro = a.micro_batch
         values = None
-        if attrs.get("share_prefix"):  # the share-prefix pass (engines/prefix.py)
-            values = shared_values(module, *self._inputs(rollout), micro_batch=micro,
-                                   min_len=int(attrs.get("prefix_min_len", 16)), pad=self._pad(model))
+        if a.share_prefix:  # the share-prefix pass (engines/prefix.py)
+            values = shared_values(module, *self._inputs(rollout), micro_batch=micro, min_len=a.prefix_min_len,
+                                   pad=self.pad_id(model))
         if values is None:
             values = forward_values(module, *self._inputs(rollout), micro_batch=micro)
         return rollout.derive("values", values=values.cpu())
-
-    def _pad(self, model: str) -> int:
-        return int(self.models[model].tokenizer.pad_id)
 
     def score(self, model: str, rollout: Batch, attrs: Mapping[str, Any]) -> Batch:
         """Reward-model score: the value head at each sample's last response token."""
@@ -223,7 +219,7 @@ class ModelWorker:
             temp = float(rows["temperature"][0]) if "temperature" in rows.tensors else 1.0
             kind = "logprobs" if op == "logprobs" else "values"
             held = (stage, IncrementalScorer(self.models[model].module, kind, temperature=_safe_temp(temp),
-                                             pad=self._pad(model)))
+                                             pad=self.pad_id(model)))
             self.growing[node] = held
         final = rows["final"].bool()
         prompt_ids, prompt_mask, response_ids, response_mask = self._inputs(rows)
@@ -241,8 +237,8 @@ class ModelWorker:
         engine = self.trainers[model]
         self._warm_up_lr(model)
         module = forward_module(engine)  # DeepSpeed's wrapper when engine = "deepspeed"
-        epochs, parts = int(attrs.get("epochs", 1)), max(1, int(attrs.get("mini_batches", 1)))
-        micro = int(attrs.get("micro_batch", 0))
+        a = UpdateAttrs.of(attrs)
+        epochs, parts, micro = a.epochs, max(1, a.mini_batches), a.micro_batch
         gen = torch.Generator().manual_seed(step_seed)
         sums: dict[str, float] = {}
         count = 0
@@ -256,7 +252,7 @@ class ModelWorker:
                     tokens, seqs = all_reduce_sum([denoms["num_tokens"], denoms["num_seqs"]], self.device)
                     denoms.update(num_tokens=tokens, num_seqs=int(seqs))
                 loss = self._critic_loss if role == "critic" else self._policy_loss
-                step_loss: Callable[[Batch], Any] = partial(loss, module, attrs=attrs, denoms=denoms)
+                step_loss: Callable[[Batch], Any] = partial(loss, module, a=a, denoms=denoms)
                 if turn is not None:  # fuse-train: wait for this model's turn before each micro-batch
                     step_loss = taking_turns(step_loss, turn, model)
                 metrics = engine.step(mini.chunks(micro), step_loss)
@@ -290,40 +286,34 @@ class ModelWorker:
             engine = self.trainers[model]
             engine.set_lr(base * min(1.0, (int(getattr(engine, "steps", 0)) + 1) / warmup))
 
-    def _policy_loss(self, module: torch.nn.Module, mb: Batch, *, attrs: Mapping[str, Any],
+    def _policy_loss(self, module: torch.nn.Module, mb: Batch, *, a: UpdateAttrs,
                      denoms: Mapping[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
         inputs = self._inputs(mb)
         mask = inputs[3].float()
         temp = float(mb["temperature"][0]) if "temperature" in mb.tensors else 1.0
         packed = None
-        if attrs.get("share_prefix"):  # the share-prefix pass: each prompt once, gradients summed over samples
-            packed = packed_logprobs_entropy(module, *inputs, temperature=_safe_temp(temp),
-                                             min_len=int(attrs.get("prefix_min_len", 16)))
+        if a.share_prefix:  # the share-prefix pass: each prompt once, gradients summed over samples
+            packed = packed_logprobs_entropy(module, *inputs, temperature=_safe_temp(temp), min_len=a.prefix_min_len)
         logp, entropy = packed or forward_logprobs_entropy(module, *inputs, temperature=_safe_temp(temp),
                                                            with_grad=True)  # (B, T) each
-        clip_high, dual = attrs.get("clip_high"), attrs.get("dual_clip")
         dev = self.device
         return policy_loss(
             logp, mb["old_logp"].to(dev) if "old_logp" in mb.tensors else None, mb["advantages"].to(dev), mask,
-            ref_logp=mb["ref_logp"].to(dev) if "ref_logp" in mb.tensors else None, entropy=entropy,
-            clip=float(attrs.get("clip", 0.2)), clip_high=float(clip_high) if clip_high is not None else None,
-            dual_clip=float(dual) if dual is not None else None, kl_coef=float(attrs.get("kl_coef", 0.0) or 0.0),
-            kl_kind=str(attrs.get("kl", "k3")), entropy_coef=float(attrs.get("entropy_coef", 0.0) or 0.0),
-            agg=str(attrs.get("agg", "token-mean")), **denoms)
+            ref_logp=mb["ref_logp"].to(dev) if "ref_logp" in mb.tensors else None, entropy=entropy, clip=a.clip,
+            clip_high=a.clip_high, dual_clip=a.dual_clip, kl_coef=a.kl_coef, kl_kind=a.kl,
+            entropy_coef=a.entropy_coef, agg=a.agg, **denoms)
 
-    def _critic_loss(self, module: torch.nn.Module, mb: Batch, *, attrs: Mapping[str, Any],
+    def _critic_loss(self, module: torch.nn.Module, mb: Batch, *, a: UpdateAttrs,
                      denoms: Mapping[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
         inputs = self._inputs(mb)
         values = None
-        if attrs.get("share_prefix"):  # the share-prefix pass (engines/prefix.py)
-            values = packed_values(module, *inputs, min_len=int(attrs.get("prefix_min_len", 16)))
+        if a.share_prefix:  # the share-prefix pass (engines/prefix.py)
+            values = packed_values(module, *inputs, min_len=a.prefix_min_len)
         if values is None:
             values = forward_values(module, *inputs, with_grad=True)  # (B, T)
         old = mb["values"].to(self.device) if "values" in mb.tensors else values.detach()
-        clip = attrs.get("clip")
-        loss, metrics = value_loss(values, old, mb["returns"].to(self.device), inputs[3].float(),
-                                   clip=float(clip) if clip is not None else None,
-                                   agg=str(attrs.get("agg", "token-mean")), **denoms)
+        loss, metrics = value_loss(values, old, mb["returns"].to(self.device), inputs[3].float(), clip=a.clip,
+                                   agg=a.agg, **denoms)
         metrics["vf_loss"] = float(loss.detach())
         return loss, metrics
 

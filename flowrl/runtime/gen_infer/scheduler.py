@@ -28,9 +28,10 @@ from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 
 from flowrl.engines.chunked_generation import Tail
+from flowrl.ir.attrs import GenerateAttrs
 from flowrl.ir.graph import Node
 from flowrl.runtime.batch import Batch
-from flowrl.runtime.chunks import ChunkForward, Growing, Scored, partial_of
+from flowrl.runtime.chunks import ChunkForward, Growing, Scored
 from flowrl.runtime.dispatch import rank_seed
 from flowrl.runtime.gen_infer.feeder import Feeder
 from flowrl.runtime.gen_infer.records import (
@@ -99,17 +100,17 @@ class GenInfer:
                  other: Mapping[str, WorkerGroup], on_chunk: Callable[[Batch], None] | None = None):
         self.ranks, self.gen, self.forwards, self.prompts = ranks, gen, list(forwards), prompts
         self.step_seed = step_seed
-        self.attrs = dict(gen.attrs)
-        self.n = int(str(self.attrs.get("n", 1)))
+        self.attrs = dict(gen.attrs)  # what the generation ranks get (score-tail's key switched off below)
+        self.a = GenerateAttrs.of(gen.attrs)
+        self.n = self.a.n
         self.total = prompts.size * self.n
         self.results = Results(self.forwards, prompts, on_chunk)
         self.feeder = Feeder(gen, self.forwards, other, self.results, self._on_generation_rank,
-                             partial_of(self.attrs))
+                             self.a.partial_below)
         if not self.feeder.grows:
             self.attrs["partial_below"] = 0  # nobody scores samples while they decode: the stream sends none
         self.here = [f for f in self.forwards if f.worker_group not in other]  # forwards on the generation group
-        self.migration = Migration(self.total, float(str(self.attrs.get("migrate_below", 0.2))),
-                                   own_rank=bool(self._inline()))
+        self.migration = Migration(self.total, self.a.migrate_below, own_rank=bool(self._inline()))
         self.migrated = 0
         self.inlined = 0  # chunks whose forwards their own rank ran
 
@@ -253,7 +254,7 @@ class GenInfer:
         """The forwards each generating rank runs on its own chunks between its decode steps ("own-rank", the
         pass's default): the prompts are in its cache and no chunk waits for a free rank. "free-rank" leaves
         every chunk to ranks that are not generating (RLHFuse's split). Migrated tails' chunks go to free ranks."""
-        if str(self.attrs.get("chunk_forwards", "own-rank")) != "own-rank":
+        if self.a.chunk_forwards != "own-rank":
             return []
         return [ChunkForward(f.id, str(f.op), str(f.model), dict(f.attrs)) for f in self.here]
 
