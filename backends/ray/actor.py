@@ -29,14 +29,17 @@ DIST_TIMEOUT = timedelta(seconds=120)  # a collective that waits longer than thi
 
 
 class RankActor:
-    """`crash_on_call=n` is a test-only hook: this process exits (as if killed) at its n-th model call."""
+    """`crash_on_call` is a test-only hook: `n` makes this process exit (as if killed) at its n-th model call;
+    `(method, n)` at its n-th call of `method` (a stream, `generate_stream`, exits once it has handed over its
+    first item: a rank lost mid-stream)."""
 
     def __init__(self, models: Sequence[ModelDecl], all_models: Sequence[ModelDecl], *, seed: int, device: str,
-                 rank: int, world: int, threads: int = 1, crash_on_call: int | None = None):
+                 rank: int, world: int, threads: int = 1, crash_on_call: int | tuple[str, int] | None = None):
         torch.set_num_threads(max(1, threads))
         self.rank, self.world = rank, world
         self.crash_on_call = crash_on_call
         self.calls = 0
+        self.by_method: dict[str, int] = {}
         self._items: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._export: bool = False  # the export request the last stream_next brought
         self._remaining: int | None = None  # the stream's last progress report
@@ -63,7 +66,10 @@ class RankActor:
                                 world_size=self.world, timeout=DIST_TIMEOUT)
 
     def _crash_due(self, method: str) -> bool:
-        """Count a model call; True when it is the one the test hook `crash_on_call` names."""
+        """Count a call; True when it is the one the test hook `crash_on_call` names."""
+        self.by_method[method] = self.by_method.get(method, 0) + 1
+        if isinstance(self.crash_on_call, tuple):
+            return self.crash_on_call == (method, self.by_method[method])
         if method not in MODEL_CALLS:
             return False
         self.calls += 1

@@ -40,7 +40,7 @@ class RayBackend:
 
     def __init__(self, address: str | None = None, log_dir: str | Path | None = None, *,
                  num_cpus: int | None = None, start_timeout_s: float = 120.0, snapshot_every: int = 10,
-                 crash_on_call: Mapping[str, Mapping[int, int]] | None = None):
+                 crash_on_call: Mapping[str, Mapping[int, int | tuple[str, int]]] | None = None):
         self.session = Session(address, log_dir, num_cpus)
         self.start_timeout_s = start_timeout_s
         self.crash_on_call = crash_on_call

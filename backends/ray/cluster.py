@@ -145,7 +145,7 @@ def _replace(dest: Path, source: Path, *, link: bool) -> None:
 
 
 def group_specs(graph: Graph, *, seed: int, device: str, resources: Mapping[str, float],
-                crash_on_call: Mapping[str, Mapping[int, int]] | None = None,
+                crash_on_call: Mapping[str, Mapping[int, int | tuple[str, int]]] | None = None,
                 snapshot_every: int = 10) -> list[GroupSpec]:
     """One spec per worker group; `resources` is what the cluster has free (`ray.available_resources()`)."""
     gpus_free = float(resources.get("GPU", 0.0))

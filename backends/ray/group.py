@@ -64,7 +64,7 @@ class GroupSpec:
     bundle: Mapping[str, float]  # resources of one rank (a placement-group bundle)
     seed: int
     device: str
-    crash_on_call: Mapping[int, int] = field(default_factory=dict)  # test hook: rank -> n (first processes only)
+    crash_on_call: Mapping[int, int | tuple[str, int]] = field(default_factory=dict)  # test hook: rank -> n (first processes only)
     snapshot_every: int = 10  # state-changing calls between snapshots (the ones since are replayed on a restart)
 
     @property

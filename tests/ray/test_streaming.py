@@ -118,8 +118,8 @@ def test_a_rank_lost_mid_stream_is_rebuilt_and_the_stage_runs_again_with_the_sam
     text = flow_text(steps=3, max_tokens=20, replicas=2, placement=PLACED)
     graph = flowrl.compile_flow(text, "/flows/tiny_grpo.flow")
     assert graph.node("rollout").attrs.get("fusion") == "gen-infer:rollout"
-    # Model calls of a generating rank per step: generate_stream and the actor's update (actor -> gen).
-    hurt_backend = RayBackend(crash_on_call={"gen": {1: 3}})
+    # Rank 1's process exits during its second generate_stream (step 2), once the stream handed over a chunk.
+    hurt_backend = RayBackend(crash_on_call={"gen": {1: ("generate_stream", 2)}})
     restarts: list[int] = []
     hurt = flowrl.run(graph, out_dir=tmp_path / "hurt", backend=hurt_backend,
                       on_step=lambda step, row: restarts.append(hurt_backend.groups["gen"].restarts)).metrics
