@@ -285,6 +285,7 @@ class HttpScorer(Scorer):
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
+        self.client.close()
 
 
 def make_scorer(decl: RewardDecl, *, imports: Sequence[str] = (), folder: str | None = None) -> Scorer:
