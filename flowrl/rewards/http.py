@@ -95,7 +95,7 @@ class HttpReward:
             if isinstance(reason, (TimeoutError, socket.timeout)):
                 raise _Retry(f"timed out after {self.timeout:g} s") from None
             raise _Retry(f"cannot connect: {reason}") from None
-        except (TimeoutError, socket.timeout):
+        except TimeoutError:
             raise _Retry(f"timed out after {self.timeout:g} s") from None
         except (ConnectionError, OSError) as e:  # reset mid-answer, ...
             raise _Retry(f"connection failed: {e}") from None
