@@ -57,3 +57,11 @@ def length_target(prompt: str, response: str, length: object = 8, **_: object) -
     """1 − |len(response) − length| / length, clipped at 0: learns to stop at a length."""
     want = int(str(length))
     return max(0.0, 1.0 - abs(len(response) - want) / max(want, 1))
+
+
+# Registered on import: `reward r = "math_equal"` / `"code_tests"` (their heavy imports happen at first use).
+from flowrl.rewards.code import code_tests  # noqa: E402
+from flowrl.rewards.math import math_equal  # noqa: E402
+
+__all__ = ["arith_exact", "arith_partial", "char_fraction", "code_tests", "length_target", "match_string",
+           "math_equal"]
