@@ -14,7 +14,7 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["grpo_arith", "ppo_arith"])
+@pytest.mark.parametrize("name", ["grpo_arith", "ppo_arith", "math_word"])
 def test_example_reward_rises(tmp_path: Path, name: str) -> None:
     res = run(flowrl.load(str(EXAMPLES / f"{name}.flow")), out_dir=tmp_path)
     rewards = [r["reward_mean"] for r in res.metrics]
