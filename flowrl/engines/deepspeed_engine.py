@@ -128,6 +128,14 @@ class DeepSpeedTrainEngine:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
 
+    def set_max_grad_norm(self, bound: float | None) -> None:
+        """Clip the gradient norm to `bound` from the next step on (None or <= 0: measure it only). Stage 0 clips
+        in its pre-step hook, which reads `max_grad_norm`; ZeRO 1-3 optimizers read their `clip_grad` at each
+        step (DeepSpeed took the initial value from the config's `gradient_clipping`)."""
+        self.max_grad_norm = bound
+        if self.zero_stage > 0:
+            self.forward_module.optimizer.clip_grad = float(bound) if bound and bound > 0 else 0.0
+
     def step(self, micro_batches: Sequence[MB], loss_fn: LossFn[MB]) -> dict[str, float]:
         """Accumulate gradients over `micro_batches`, clip, update; returns the metrics (`reduce_metrics`) + loss/grad_norm/lr."""
         if not micro_batches:

@@ -90,6 +90,10 @@ class TrainEngine:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
 
+    def set_max_grad_norm(self, bound: float | None) -> None:
+        """Clip the gradient norm to `bound` from the next step on (None or <= 0: measure it only)."""
+        self.max_grad_norm = bound
+
     def step(self, micro_batches: Sequence[MB], loss_fn: LossFn[MB]) -> dict[str, float]:
         """Accumulate gradients over `micro_batches`, clip, update; returns the metrics (`reduce_metrics`) + loss/grad_norm/lr."""
         if not micro_batches:

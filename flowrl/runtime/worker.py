@@ -238,6 +238,7 @@ class ModelWorker:
         self._warm_up_lr(model)
         module = forward_module(engine)  # DeepSpeed's wrapper when engine = "deepspeed"
         a = UpdateAttrs.of(attrs)
+        engine.set_max_grad_norm(a.max_grad_norm)
         epochs, parts, micro = a.epochs, max(1, a.mini_batches), a.micro_batch
         gen = torch.Generator().manual_seed(step_seed)
         sums: dict[str, float] = {}
