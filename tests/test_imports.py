@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import flowrl
+from flowrl.dsl.dag import strongly_connected
 
 PACKAGE = Path(flowrl.__file__).resolve().parent
 # Lower layers first; a module may import from its own layer and the ones before it. (cli is the top.)
@@ -69,38 +70,9 @@ def edges(mods: dict[str, ast.Module]) -> dict[str, set[str]]:
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """Strongly connected components of more than one module (Tarjan)."""
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    on: set[str] = set()
-    found: list[list[str]] = []
-
-    def visit(v: str) -> None:
-        index[v] = low[v] = len(index)
-        stack.append(v)
-        on.add(v)
-        for w in sorted(graph[v]):
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in on:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            comp = []
-            while True:
-                w = stack.pop()
-                on.discard(w)
-                comp.append(w)
-                if w == v:
-                    break
-            if len(comp) > 1:
-                found.append(sorted(comp))
-
-    for v in sorted(graph):
-        if v not in index:
-            visit(v)
-    return found
+    """Strongly connected components of more than one module (the compiler's Tarjan, dsl/dag.py)."""
+    deps = {v: sorted(w for w in graph[v] if w in graph) for v in sorted(graph)}
+    return sorted(sorted(comp) for comp in strongly_connected(deps) if len(comp) > 1)
 
 
 def layer(module: str) -> int:
