@@ -42,6 +42,7 @@ class Trainer(Protocol):
     """What the worker needs from a training engine (TrainEngine and DeepSpeedTrainEngine both fit)."""
 
     module: nn.Module
+    steps: int  # optimizer steps taken (skipped ones not counted)
 
     @property
     def lr(self) -> float: ...

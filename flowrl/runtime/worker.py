@@ -285,7 +285,7 @@ class ModelWorker:
             lr = self.decls[model].lr
             base = float(lr) if lr is not None else 1e-5
             engine = self.trainers[model]
-            engine.set_lr(base * min(1.0, (int(getattr(engine, "steps", 0)) + 1) / warmup))
+            engine.set_lr(base * min(1.0, (engine.steps + 1) / warmup))
 
     def _policy_loss(self, module: torch.nn.Module, mb: Batch, *, a: UpdateAttrs,
                      denoms: Mapping[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
