@@ -1,0 +1,19 @@
+"""The elastic-pool policy (RLHFless, arXiv 2602.22718): what to run where, decided by pure functions.
+
+The serverless backend calls these on real workers and the simulator calls them on a simulated cluster, so one
+policy is measured in both places. Nothing here touches a device, a process or a clock:
+- `predict`: per-prompt response-length prediction (EWMA by prompt id) and how well it ranked the real lengths;
+- `assign`: length-ranked assignment of a step's prompts to generation instances (contiguous runs);
+- `scale`: the generation time and device-seconds of N instances from predicted lengths and a measured
+  time-per-decode-step curve, and the cost-weighted choice of N;
+- `migrate`: when an instance's unfinished sequences move (cut-and-migrate) and to which instance.
+Imports only the standard library.
+"""
+
+from flowrl.elastic.assign import ranked_runs
+from flowrl.elastic.migrate import migration_target, should_migrate
+from flowrl.elastic.predict import LengthPredictor, spearman
+from flowrl.elastic.scale import Candidate, DecodeCurve, ScaleChoice, choose_instances, estimate
+
+__all__ = ["Candidate", "DecodeCurve", "LengthPredictor", "ScaleChoice", "choose_instances", "estimate",
+           "migration_target", "ranked_runs", "should_migrate", "spearman"]

@@ -1,0 +1,84 @@
+"""Response-length prediction per prompt (flowrl.elastic).
+
+Each prompt, by its id in the data set, keeps an exponentially weighted moving average of the mean response
+length of its samples at each step it was drawn (`alpha = 2 / (window + 1)`, the usual span-to-alpha rule: a
+window of 1 remembers only the last step). A prompt never seen is predicted as `default` when one is given, else
+as the mean prediction of this step's prompts that were seen, else as the mean of every length observed so far,
+else as `fallback` (the caller's max_tokens, say). `spearman` says how well a prediction ranked the real lengths.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Hashable, Sequence
+
+
+class LengthPredictor:
+    """EWMA of each prompt's past response lengths (see the module docstring)."""
+
+    def __init__(self, window: int = 4, default: float | None = None):
+        if window < 1:
+            raise ValueError(f"window must be >= 1, got {window}")
+        self.window, self.default = window, default
+        self.alpha = 2.0 / (window + 1)
+        self.ewma: dict[Hashable, float] = {}
+        self.total, self.count = 0.0, 0
+
+    def predict(self, prompt_ids: Sequence[Hashable], fallback: float) -> list[float]:
+        """One predicted length per prompt id."""
+        seen = [self.ewma[p] for p in prompt_ids if p in self.ewma]
+        if self.default is not None:
+            unseen = float(self.default)
+        elif seen:
+            unseen = sum(seen) / len(seen)
+        elif self.count:
+            unseen = self.total / self.count
+        else:
+            unseen = float(fallback)
+        return [self.ewma.get(p, unseen) for p in prompt_ids]
+
+    def observe(self, prompt_ids: Sequence[Hashable], lengths: Sequence[float]) -> None:
+        """Record one step: `prompt_ids[i]` produced a response of `lengths[i]` tokens (a prompt's samples repeat
+        its id; their mean is the step's observation of that prompt)."""
+        if len(prompt_ids) != len(lengths):
+            raise ValueError(f"{len(prompt_ids)} prompt ids but {len(lengths)} lengths")
+        sums: dict[Hashable, list[float]] = {}
+        for p, n in zip(prompt_ids, lengths, strict=True):
+            sums.setdefault(p, []).append(float(n))
+        for p, ns in sums.items():
+            mean = sum(ns) / len(ns)
+            old = self.ewma.get(p)
+            self.ewma[p] = mean if old is None else self.alpha * mean + (1.0 - self.alpha) * old
+        self.total += sum(float(n) for n in lengths)
+        self.count += len(lengths)
+
+
+def _ranks(values: Sequence[float]) -> list[float]:
+    """1-based ranks, ties sharing their average rank."""
+    order = sorted(range(len(values)), key=lambda i: values[i])
+    ranks = [0.0] * len(values)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            ranks[order[k]] = (i + j) / 2.0 + 1.0
+        i = j + 1
+    return ranks
+
+
+def spearman(predicted: Sequence[float], real: Sequence[float]) -> float:
+    """Spearman's rank correlation (Pearson's on average ranks); NaN for fewer than two values or a constant
+    side, where a ranking says nothing."""
+    if len(predicted) != len(real):
+        raise ValueError(f"{len(predicted)} predictions but {len(real)} lengths")
+    if len(predicted) < 2:
+        return math.nan
+    a, b = _ranks(predicted), _ranks(real)
+    ma, mb = sum(a) / len(a), sum(b) / len(b)
+    cov = sum((x - ma) * (y - mb) for x, y in zip(a, b, strict=True))
+    va, vb = sum((x - ma) ** 2 for x in a), sum((y - mb) ** 2 for y in b)
+    if va == 0 or vb == 0:
+        return math.nan
+    return cov / math.sqrt(va * vb)

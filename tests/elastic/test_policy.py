@@ -1,0 +1,123 @@
+"""The elastic-pool policy's pure functions, on worked values."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from flowrl.elastic import (
+    DecodeCurve,
+    LengthPredictor,
+    choose_instances,
+    estimate,
+    migration_target,
+    ranked_runs,
+    should_migrate,
+    spearman,
+)
+from flowrl.elastic.scale import decode_seconds
+
+
+def test_ewma_per_prompt_with_window() -> None:
+    p = LengthPredictor(window=3)  # alpha = 0.5
+    p.observe(["a", "a", "b"], [10, 20, 4])  # a: mean 15, b: 4
+    assert p.predict(["a", "b"], fallback=64) == [15.0, 4.0]
+    p.observe(["a"], [5])
+    assert p.predict(["a"], fallback=64) == [10.0]  # 0.5 * 5 + 0.5 * 15
+    window_one = LengthPredictor(window=1)  # alpha = 1: only the last step counts
+    window_one.observe(["a"], [10])
+    window_one.observe(["a"], [30])
+    assert window_one.predict(["a"], fallback=0) == [30.0]
+
+
+def test_unseen_prompts_default_then_batch_mean_then_history_then_fallback() -> None:
+    fresh = LengthPredictor()
+    assert fresh.predict(["x"], fallback=64) == [64.0]
+    p = LengthPredictor(window=2)
+    p.observe(["a", "b"], [10, 30])
+    assert p.predict(["a", "new"], fallback=64) == [10.0, 10.0]  # the mean of this batch's seen prompts
+    assert p.predict(["new", "other"], fallback=64) == [20.0, 20.0]  # none seen in the batch: all history
+    assert LengthPredictor(default=7).predict(["new"], fallback=64) == [7.0]
+    with pytest.raises(ValueError, match="window"):
+        LengthPredictor(window=0)
+    with pytest.raises(ValueError, match="lengths"):
+        p.observe(["a"], [1, 2])
+
+
+def test_spearman_on_worked_values() -> None:
+    assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    # ranks (1, 2, 3, 4) vs (1, 3, 2, 4): 1 - 6 * 2 / (4 * 15) = 0.8
+    assert spearman([1, 2, 3, 4], [5, 7, 6, 9]) == pytest.approx(0.8)
+    # ties share the average rank: (1.5, 1.5, 3) vs (1, 2, 3) -> Pearson on ranks = sqrt(3) / 2
+    assert spearman([2, 2, 5], [1, 2, 3]) == pytest.approx(math.sqrt(3) / 2)
+    assert math.isnan(spearman([1], [2])) and math.isnan(spearman([3, 3], [1, 2]))
+
+
+def test_ranked_runs_are_contiguous_in_length_order() -> None:
+    predicted = [50, 3, 20, 3, 64, 9, 1]
+    runs = ranked_runs(predicted, 3)
+    assert runs == [[6, 1, 3], [5, 2], [0, 4]]  # order 1, 3, 3, 9, 20, 50, 64 (ties by index)
+    assert sorted(i for r in runs for i in r) == list(range(len(predicted)))
+    assert ranked_runs([5, 1], 4) == [[1], [0]]
+    assert ranked_runs([], 2) == []
+    with pytest.raises(ValueError):
+        ranked_runs([1], 0)
+
+
+def test_migration_trigger_and_target() -> None:
+    assert not should_migrate(6, 10) and should_migrate(7, 10) and not should_migrate(10, 10)
+    assert should_migrate(5, 10, tau=0.5) and not should_migrate(0, 0)
+    with pytest.raises(ValueError):
+        should_migrate(1, 2, tau=0.0)
+    assert migration_target({0: 5, 1: 8, 2: 8}, source=1, need=3) == 2
+    assert migration_target({0: 5, 1: 8, 2: 8}, source=0, need=3) == 1  # ties: the lowest id
+    assert migration_target({0: 2, 1: 9}, source=1, need=3) is None
+
+
+def test_decode_curve_interpolates_and_extends() -> None:
+    curve = DecodeCurve({1: 0.010, 4: 0.016, 8: 0.024})
+    assert curve.seconds(2) == pytest.approx(0.012)
+    assert curve.seconds(6) == pytest.approx(0.020)
+    assert curve.seconds(16) == pytest.approx(0.040)  # beyond the last point: the last segment's slope
+    assert curve.seconds(0) == 0.0
+    assert DecodeCurve({4: 0.02}).seconds(100) == 0.02
+    with pytest.raises(ValueError):
+        DecodeCurve({})
+
+
+def test_decode_time_counts_each_step_at_the_batch_still_running() -> None:
+    curve = DecodeCurve({1: 1.0, 2: 1.5, 3: 2.0})
+    # lengths 2, 2, 5: steps 1-2 with 3 running (2.0 each), steps 3-5 with 1 (1.0 each)
+    assert decode_seconds([2, 2, 5], curve) == pytest.approx(7.0)
+    assert decode_seconds([], curve) == 0.0
+
+
+def test_estimate_and_the_cost_weighted_choice() -> None:
+    curve = DecodeCurve({1: 1.0, 2: 1.0, 4: 1.0})  # a step costs 1 s at any batch up to 4
+    predicted = [1, 1, 1, 10]  # one long prompt
+    # one instance: 10 steps, 10 device-seconds; two: runs [0, 1] and [2, 3] -> 1 s and 10 s
+    assert estimate(predicted, 1, 1, curve) == (10.0, 10.0)
+    assert estimate(predicted, 1, 2, curve) == (10.0, 11.0)
+    assert estimate(predicted, 1, 2, curve, start_s=2.0) == (12.0, 15.0)
+    # a curve where batch size matters: four instances finish the short prompts in 1 step each
+    busy = DecodeCurve({1: 1.0, 4: 4.0})
+    t1, c1 = estimate(predicted, 1, 1, busy)  # steps 1 at 4 s, then 9 at 1 s: 13 s
+    t4, c4 = estimate(predicted, 1, 4, busy)  # 1 + 1 + 1 + 10
+    assert (t1, c1) == (13.0, 13.0) and (t4, c4) == (10.0, 13.0)
+    # N = 2: runs [0, 1] (1 step at batch 2: 2 s) and [2, 3] (1 step at 2 s, 9 at 1 s: 11 s)
+    assert estimate(predicted, 1, 2, busy) == (11.0, 13.0)
+    # with 2 s to start an instance: T = 15, 13, 12 and C = 15, 17, 21 for N = 1, 2, 4
+    choice = {w: choose_instances(predicted, 1, [4, 1, 2], busy, weight=w, start_s=2.0) for w in (0.0, 0.5, 1.0)}
+    assert [(c.instances, c.time_s, c.device_s) for c in choice[1.0].candidates] == \
+        [(1, 15.0, 15.0), (2, 13.0, 17.0), (4, 12.0, 21.0)]
+    assert choice[1.0].chosen.instances == 4  # fastest
+    assert choice[0.0].chosen.instances == 1  # fewest device-seconds
+    # 0.5 * 13 / 12 + 0.5 * 17 / 15 = 1.108 beats 1.125 (N = 1) and 1.2 (N = 4)
+    assert choice[0.5].chosen.instances == 2
+    assert choice[0.5].chosen.score == pytest.approx(0.5 * 13 / 12 + 0.5 * 17 / 15)
+    # equal scores: fewer instances
+    assert choose_instances(predicted, 1, [1, 2, 4], busy, weight=0.0).chosen.instances == 1
+    with pytest.raises(ValueError):
+        choose_instances(predicted, 1, [1], busy, weight=1.5)
