@@ -15,6 +15,7 @@ from flowrl.ir.graph import Graph, Node
 from flowrl.runtime.batch import Batch, training_batch
 from flowrl.runtime.functions import call_function
 from flowrl.runtime.fusion import StageRun, run_stage
+from flowrl.runtime.lengths import LengthTracker
 from flowrl.runtime.protocol import RankLostError, WorkerGroup
 from flowrl.runtime.scoring import Scorer
 
@@ -52,6 +53,7 @@ class Controller:
         self.t0 = clock_start if clock_start is not None else time.perf_counter()
         self.after_update = after_update  # the backend's weight-sync hook (split placement), if it has one
         self.declined: dict[str, str] = {}  # fused stages this backend runs unfused: node id -> why
+        self.lengths = LengthTracker(graph)  # how well response lengths were predicted (checkpointed)
 
     def step_seed(self, step: int, node: Node) -> int:
         # A seed per (step, node) makes a resumed run draw the same samples as an uninterrupted one.
@@ -84,6 +86,7 @@ class Controller:
                 result.metrics[f"time/{r.node.id}"] = dur
             self._sync_weights(ran, step, result)
         result.metrics.update(_summary(self.graph, values))
+        result.metrics.update(self.lengths.record(values))
         for scorer in self.rewards.values():
             if scorer.overlaps:  # workers or a service: what `on_error = "zero"` absorbed this step
                 result.metrics.update(scorer.take_counts())

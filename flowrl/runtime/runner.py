@@ -96,14 +96,16 @@ def run(graph: Graph, *, out_dir: str | Path, backend: Backend, steps: int | Non
         start = 0
         events: list[dict[str, Any]] = []
         ckpt = last_checkpoint(out) if resume else None
+        lengths: dict[str, Any] = {}
         if ckpt is not None:
-            start = _load_checkpoint(ckpt, groups, loaders)
+            start, lengths = _load_checkpoint(ckpt, groups, loaders)
             report.truncate_metrics(metrics_path, start)
             events = [e for e in report.load_trace(trace_path) if e.get("ph") == "X" and e["args"]["step"] <= start]
             t0 -= max((e["ts"] + e["dur"]) / 1e6 for e in events if e.get("ph") == "X") if events else 0.0
         about: dict[str, Any] = {"flow": graph.path, "backend": be.name, "seed": seed, "steps": total, "device": dev}
         (out / "run.json").write_text(json.dumps(about, indent=2), encoding="utf-8")
         ctl = Controller(graph, groups, loaders, rewards, seed=seed, clock_start=t0, after_update=be.after_update)
+        ctl.lengths.load_state_dict(lengths)
         tb = report.TensorBoard(out / "tb")
         group_names = ["controller", *[w.name for w in graph.worker_groups]]
         spans: list[Span] = []
@@ -118,7 +120,7 @@ def run(graph: Graph, *, out_dir: str | Path, backend: Backend, steps: int | Non
             if on_step is not None:
                 on_step(step, row)
             if (every and step % every == 0) or step == total:
-                _save_checkpoint(out, step, groups, loaders)
+                _save_checkpoint(out, step, groups, loaders, ctl.lengths.state_dict())
                 report.write_trace(trace_path, report.trace_events(spans, group_names, prior=events))
         tb.close()
         if ctl.declined:  # fused stages this backend ran unfused, and why
@@ -149,13 +151,15 @@ def _claim(out: Path, resume: bool, overwrite: bool) -> None:
     out.mkdir(parents=True, exist_ok=True)
 
 
-def _save_checkpoint(out: Path, step: int, groups: dict[str, WorkerGroup], loaders: dict[str, PromptLoader]) -> None:
-    """Models, optimizers and data-loader positions. Sampling RNG is derived from (seed, step), so the step
+def _save_checkpoint(out: Path, step: int, groups: dict[str, WorkerGroup], loaders: dict[str, PromptLoader],
+                     lengths: dict[str, Any]) -> None:
+    """Models, optimizers, data-loader positions and the length predictors' history. Sampling RNG is derived from (seed, step), so the step
     number restores it. Written to a temp file and renamed so a crash never leaves a torn checkpoint."""
     state = {
         "step": step,
         "groups": {name: g.state_dict() for name, g in groups.items()},
         "loaders": {name: ld.state_dict() for name, ld in loaders.items()},
+        "lengths": lengths,
     }
     path = out / CKPT_DIR / f"step_{step:06d}.pt"
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -164,10 +168,13 @@ def _save_checkpoint(out: Path, step: int, groups: dict[str, WorkerGroup], loade
     os.replace(tmp, path)
 
 
-def _load_checkpoint(path: Path, groups: dict[str, WorkerGroup], loaders: dict[str, PromptLoader]) -> int:
+def _load_checkpoint(path: Path, groups: dict[str, WorkerGroup],
+                     loaders: dict[str, PromptLoader]) -> tuple[int, dict[str, Any]]:
+    """Restores groups and loaders; returns the step and the length predictors' state (empty in checkpoints
+    written before they were kept)."""
     state = torch.load(path, map_location="cpu", weights_only=False)
     for name, g in groups.items():
         g.load_state_dict(state["groups"][name])
     for name, ld in loaders.items():
         ld.load_state_dict(state["loaders"][name])
-    return int(state["step"])
+    return int(state["step"]), dict(state.get("lengths", {}))
