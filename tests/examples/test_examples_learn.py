@@ -11,12 +11,13 @@ import flowrl
 from flowrl import run
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+STEPS = {"math_word": 300}  # of its 500: the rise is ~0.04 -> ~0.42 by then (bench/RESULTS_rewards.md), in a minute
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["grpo_arith", "ppo_arith", "math_word"])
 def test_example_reward_rises(tmp_path: Path, name: str) -> None:
-    res = run(flowrl.load(str(EXAMPLES / f"{name}.flow")), out_dir=tmp_path)
+    res = run(flowrl.load(str(EXAMPLES / f"{name}.flow")), out_dir=tmp_path, steps=STEPS.get(name))
     rewards = [r["reward_mean"] for r in res.metrics]
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
     assert last - first >= 0.2, f"{name}: reward {first:.3f} -> {last:.3f}"
