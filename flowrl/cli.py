@@ -7,13 +7,14 @@ Python traceback for a mistake in a flow, data file or reward function.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import textwrap
 import traceback
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from flowrl.backends import entries as backend_entries
 from flowrl.backends import names as backend_names
@@ -95,6 +96,17 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("run_dir", metavar="RUN_DIR")
     c.add_argument("-o", "--output", required=True, metavar="OUT.png")
     c.add_argument("--steps", type=int, default=3, help="how many of the last steps to draw")
+
+    c = verb("fuse-schedule", "Schedule two models' pipelined training side by side on the same nodes (RLHFuse "
+             "intra-stage fusion): greedy, then simulated annealing for makespan, then for peak memory.",
+             "flowrl fuse-schedule --pp 4,2 --microbatches 8,8 --fwd 1,0.5 --json")
+    c.add_argument("--pp", required=True, metavar="A,B", help="pipeline stages of model 0 and model 1 (B divides A)")
+    c.add_argument("--microbatches", required=True, metavar="M0,M1", help="micro-batches per model per step")
+    c.add_argument("--fwd", required=True, metavar="F0,F1", help="forward time per stage (a backward takes 2x)")
+    c.add_argument("--mem", default="1,1", metavar="P0,P1", help="activation memory of one micro-batch on a stage")
+    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--iters", type=int, default=None, help="annealing moves (default: 40 per task, at most 20000)")
+    c.add_argument("--json", action="store_true", help="print the schedule as JSON")
     return p
 
 
@@ -196,8 +208,38 @@ def cmd_timeline(args: argparse.Namespace) -> int:
     return 0
 
 
+def _pair(text: str, what: str, kind: type[int] | type[float]) -> tuple[Any, Any]:
+    parts = text.split(",")
+    try:
+        if len(parts) != 2:
+            raise ValueError
+        return (kind(parts[0]), kind(parts[1]))
+    except ValueError:
+        raise FlowError(Diagnostic(f"{what}: expected two {kind.__name__} values as X,Y, got {text!r}")) from None
+
+
+def cmd_fuse_schedule(args: argparse.Namespace) -> int:
+    from flowrl.planner.fuse_schedule import Problem, solve
+
+    try:
+        a, b = _pair(args.pp, "--pp", int)
+        problem = Problem(a, b, _pair(args.microbatches, "--microbatches", int), _pair(args.fwd, "--fwd", float),
+                          _pair(args.mem, "--mem", float))
+    except ValueError as e:
+        raise FlowError(Diagnostic(f"fuse-schedule: {e}")) from None
+    result = solve(problem, seed=args.seed, iters=args.iters)
+    if args.json:
+        print(json.dumps(result.to_json()))
+        return 0
+    print(f"makespan {result.makespan:g} (lower bound {result.lower_bound:g}, greedy {result.greedy_makespan:g}); "
+          f"peak memory per node {[round(m, 6) for m in result.peak_memory]}")
+    for n, tasks in enumerate(result.schedule):
+        print(f"node {n}: " + " ".join(f"{t.kind}{t.model}.{t.copy}.{t.mb}" for t in tasks))
+    return 0
+
+
 VERBS = {"check": cmd_check, "compile": cmd_compile, "show": cmd_show, "run": cmd_run, "viz": cmd_viz,
-         "timeline": cmd_timeline}
+         "timeline": cmd_timeline, "fuse-schedule": cmd_fuse_schedule}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

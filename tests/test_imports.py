@@ -15,7 +15,7 @@ PACKAGE = Path(flowrl.__file__).resolve().parent
 # Lower layers first; a module may import from its own layer and the ones before it. (cli is the top.)
 LAYERS = [
     ("flowrl.errors",),
-    ("flowrl.ir", "flowrl.algos", "flowrl.elastic", "flowrl.models", "flowrl.data"),
+    ("flowrl.ir", "flowrl.algos", "flowrl.elastic", "flowrl.planner", "flowrl.models", "flowrl.data"),
     ("flowrl.registry", "flowrl.rewards", "flowrl.engines", "flowrl.dsl", "flowrl.passes"),
     ("flowrl.compiler",),
     ("flowrl.runtime",),
