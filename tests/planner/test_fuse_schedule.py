@@ -111,3 +111,14 @@ def test_cli_json_and_errors(capsys: pytest.CaptureFixture[str]) -> None:
     assert "split evenly over its 2" in capsys.readouterr().err
     assert main(["fuse-schedule", "--pp", "4,2", "--microbatches", "4,4", "--fwd", "one,1"]) == 1
     assert "--fwd: expected two float values" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("shape", [(8, 4, 8, 0.5), (8, 8, 16, 0.5), (16, 8, 8, 1.0), (8, 8, 8, 1.0)])
+def test_rlhfuse_shapes_within_five_percent_of_the_bound(shape: tuple[int, int, int, float]) -> None:
+    """RLHFuse's experiment shapes (large model PP 8 or 16, small model PP half or equal): within 5% of the lower
+    bound (the sweep over 8-64 micro-batches: bench/fuse_schedule_sweep.py, bench/RESULTS_fuse_schedule.md)."""
+    a, b, m, f1 = shape
+    p = Problem(a, b, (m, m), (1.0, f1))
+    s = solve(p, seed=0, iters=500)
+    replay(p, s.to_json())
+    assert s.makespan <= 1.05 * s.lower_bound, (shape, s.makespan, s.lower_bound)
