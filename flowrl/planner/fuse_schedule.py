@@ -7,14 +7,14 @@ stage, a backward 2*F_j; a forward needs the previous stage's forward of its mic
 backward its forward, a backward the next stage's backward; a node runs one task at a time. Each node so holds one
 stage of model 0 and one stage of one copy of model 1, whose pipeline bubbles the other fills.
 
-Solved in three steps: greedy list scheduling (a free node starts, among its ready tasks, the one with the longest
-path still behind it, backwards first or not; the best of a plain run and randomised restarts), then simulated annealing over
-each node's task order (moves: a task moved to another place in its node's order; orders that deadlock are
-rejected), first for the makespan, then for the lowest peak activation memory at that makespan (a micro-batch
-holds P_j on a node from the start of its forward there to the end of its backward there). The lower bound is the
-larger of each model's pipeline bound, 3*F*(M + S - 1) for S stages and M micro-batches, and each node's work
-plus its unavoidable start (the earliest a first forward can reach it) and tail (the backwards still to run below
-it after its last task). Standard library only; deterministic for a seed.
+Solved in three steps: list scheduling (a free node starts, among its ready tasks, the one with the longest path
+still behind it, backwards first or not; the best of a plain run and randomised restarts), then simulated
+annealing over each node's task order (moves: a task moved to another place in its node's order; orders that
+deadlock are rejected), first for the makespan, then for the lowest peak activation memory at that makespan
+(a micro-batch holds P_j on a node from the start of its forward there to the end of its backward there). The
+lower bound is the larger of each model's pipeline bound, 3*F*(M + S - 1) for S stages and M micro-batches, and
+each node's work plus its unavoidable start (the earliest a first forward can reach it) and tail (the backwards
+still to run below it after its last task). Standard library only; deterministic for a seed.
 """
 
 from __future__ import annotations
