@@ -8,6 +8,7 @@ import time
 import traceback
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from flowrl.data.jsonl import PromptLoader
 from flowrl.errors import Diagnostic, ExecutionError, FlowError
@@ -39,6 +40,7 @@ class StepResult:
     metrics: dict[str, float]
     spans: list[Span] = field(default_factory=list)
     values: dict[str, Batch] = field(default_factory=dict)
+    lengths: list[dict[str, Any]] = field(default_factory=list)  # the step's rows of lengths.jsonl
 
 
 class Controller:
@@ -86,7 +88,8 @@ class Controller:
                 result.metrics[f"time/{r.node.id}"] = dur
             self._sync_weights(ran, step, result)
         result.metrics.update(_summary(self.graph, values))
-        result.metrics.update(self.lengths.record(values))
+        lengths, result.lengths = self.lengths.record(values, step)
+        result.metrics.update(lengths)
         for scorer in self.rewards.values():
             if scorer.overlaps:  # workers or a service: what `on_error = "zero"` absorbed this step
                 result.metrics.update(scorer.take_counts())

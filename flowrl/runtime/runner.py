@@ -85,7 +85,7 @@ def run(graph: Graph, *, out_dir: str | Path, backend: Backend, steps: int | Non
     (out / "graph.txt").write_text(to_text(graph), encoding="utf-8")
     (out / "graph.json").write_text(to_json_text(graph), encoding="utf-8")
     loaders = loaders_of(graph, seed)
-    metrics_path, trace_path = out / "metrics.jsonl", out / "trace.json"
+    metrics_path, trace_path, lengths_path = out / "metrics.jsonl", out / "trace.json", out / "lengths.jsonl"
 
     be = backend
     t0 = time.perf_counter()
@@ -100,6 +100,7 @@ def run(graph: Graph, *, out_dir: str | Path, backend: Backend, steps: int | Non
         if ckpt is not None:
             start, lengths = _load_checkpoint(ckpt, groups, loaders)
             report.truncate_metrics(metrics_path, start)
+            report.truncate_metrics(lengths_path, start)
             events = [e for e in report.load_trace(trace_path) if e.get("ph") == "X" and e["args"]["step"] <= start]
             t0 -= max((e["ts"] + e["dur"]) / 1e6 for e in events if e.get("ph") == "X") if events else 0.0
         about: dict[str, Any] = {"flow": graph.path, "backend": be.name, "seed": seed, "steps": total, "device": dev}
@@ -115,6 +116,8 @@ def run(graph: Graph, *, out_dir: str | Path, backend: Backend, steps: int | Non
             row: dict[str, Any] = {"step": step, **res.metrics, "step_time_s": time.perf_counter() - began}
             row["tokens_per_s"] = row.get("gen_tokens", 0.0) / max(row["step_time_s"], 1e-9)
             report.append_metrics(metrics_path, row)
+            for trace_row in res.lengths:
+                report.append_metrics(lengths_path, trace_row)
             tb.log(step, row)
             spans.extend(res.spans)
             if on_step is not None:
@@ -145,7 +148,7 @@ def _claim(out: Path, resume: bool, overwrite: bool) -> None:
                                        hint="continue it with --resume, replace it with --overwrite, "
                                             "or choose another --out"))
         shutil.rmtree(out / CKPT_DIR, ignore_errors=True)
-        for name in ("metrics.jsonl", "trace.json", "reward.png"):
+        for name in ("metrics.jsonl", "lengths.jsonl", "trace.json", "reward.png"):
             (out / name).unlink(missing_ok=True)
         shutil.rmtree(out / "tb", ignore_errors=True)
     out.mkdir(parents=True, exist_ok=True)
