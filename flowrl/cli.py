@@ -105,7 +105,7 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--fwd", required=True, metavar="F0,F1", help="forward time per stage (a backward takes 2x)")
     c.add_argument("--mem", default="1,1", metavar="P0,P1", help="activation memory of one micro-batch on a stage")
     c.add_argument("--seed", type=int, default=0)
-    c.add_argument("--iters", type=int, default=None, help="annealing moves (default: 40 per task, at most 20000)")
+    c.add_argument("--iters", type=int, default=None, help="annealing moves (default: 4 per task, at most 4000)")
     c.add_argument("--json", action="store_true", help="print the schedule as JSON")
     return p
 

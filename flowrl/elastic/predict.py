@@ -10,7 +10,8 @@ else as `fallback` (the caller's max_tokens, say). `spearman` says how well a pr
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
+from typing import Any
 
 
 class LengthPredictor:
@@ -19,7 +20,7 @@ class LengthPredictor:
     def __init__(self, window: int = 4, default: float | None = None):
         if window < 1:
             raise ValueError(f"window must be >= 1, got {window}")
-        self.window, self.default = window, default
+        self.default = default
         self.alpha = 2.0 / (window + 1)
         self.ewma: dict[Hashable, float] = {}
         self.total, self.count = 0.0, 0
@@ -51,6 +52,14 @@ class LengthPredictor:
             self.ewma[p] = mean if old is None else self.alpha * mean + (1.0 - self.alpha) * old
         self.total += sum(float(n) for n in lengths)
         self.count += len(lengths)
+
+
+    def state_dict(self) -> dict[str, Any]:
+        """What `predict` depends on (for checkpoints)."""
+        return {"ewma": dict(self.ewma), "total": self.total, "count": self.count}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.ewma, self.total, self.count = dict(state["ewma"]), float(state["total"]), int(state["count"])
 
 
 def _ranks(values: Sequence[float]) -> list[float]:

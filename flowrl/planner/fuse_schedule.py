@@ -178,19 +178,19 @@ def greedy(g: _Graph, rng: random.Random | None = None, noise: float = 0.0,
     return orders
 
 
-def best_greedy(g: _Graph, rng: random.Random, restarts: int) -> list[list[int]]:
+def best_greedy(g: _Graph, rng: random.Random,
+                restarts: int) -> tuple[list[list[int]], tuple[float, list[float]]]:
     """The best of the plain list schedule and `restarts` randomised ones (noise 0.3 and 1.0, backwards first or
-    not), by makespan, then peak memory."""
+    not), by makespan, then peak memory; with its (makespan, peaks)."""
     tries = [greedy(g)]
     for r in range(restarts):
         tries.append(greedy(g, rng, noise=(0.3, 1.0)[r % 2], backward_first=(r // 2) % 2 == 0))
-
-    def key(orders: list[list[int]]) -> tuple[float, float]:
-        scored = evaluate(g, orders)
-        assert scored is not None, "a list schedule deadlocked"
-        return scored[0], max(scored[1])
-
-    return min(tries, key=key)
+    scored = []
+    for orders in tries:
+        score = evaluate(g, orders)
+        assert score is not None, "a list schedule deadlocked"
+        scored.append((orders, score))
+    return min(scored, key=lambda t: (t[1][0], max(t[1][1])))
 
 
 def _anneal(g: _Graph, orders: list[list[int]], rng: random.Random, iters: int, memory: bool) -> list[list[int]]:
@@ -264,9 +264,7 @@ def solve(p: Problem, *, seed: int = 0, iters: int | None = None, restarts: int 
     g = _Graph(p)
     rng = random.Random(seed)
     steps = iters if iters is not None else min(4_000, 4 * len(g.tasks))
-    first = best_greedy(g, rng, restarts)
-    scored = evaluate(g, first)
-    assert scored is not None, "the greedy schedule deadlocked"
+    first, scored = best_greedy(g, rng, restarts)
     orders = _anneal(g, first, rng, steps, memory=False)
     if memory:
         orders = _anneal(g, orders, rng, steps // 2, memory=True)

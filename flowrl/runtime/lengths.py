@@ -60,11 +60,9 @@ class LengthTracker:
         return out, rows
 
     def state_dict(self) -> dict[str, Any]:
-        return {node: {"ewma": dict(p.ewma), "total": p.total, "count": p.count}
-                for node, p in self.predictors.items()}
+        return {node: p.state_dict() for node, p in self.predictors.items()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         for node, saved in state.items():
             if node in self.predictors:
-                p = self.predictors[node]
-                p.ewma, p.total, p.count = dict(saved["ewma"]), float(saved["total"]), int(saved["count"])
+                self.predictors[node].load_state_dict(saved)

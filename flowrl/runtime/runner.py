@@ -156,8 +156,9 @@ def _claim(out: Path, resume: bool, overwrite: bool) -> None:
 
 def _save_checkpoint(out: Path, step: int, groups: dict[str, WorkerGroup], loaders: dict[str, PromptLoader],
                      lengths: dict[str, Any]) -> None:
-    """Models, optimizers, data-loader positions and the length predictors' history. Sampling RNG is derived from (seed, step), so the step
-    number restores it. Written to a temp file and renamed so a crash never leaves a torn checkpoint."""
+    """Models, optimizers, data-loader positions and the length predictors' history. Sampling RNG is derived
+    from (seed, step), so the step number restores it. Written to a temp file and renamed so a crash never leaves
+    a torn checkpoint."""
     state = {
         "step": step,
         "groups": {name: g.state_dict() for name, g in groups.items()},
