@@ -465,7 +465,14 @@ class _Lowering:
             self.rep.error(self.src, "a flow has at most one `run` block", extra,
                            hint=f"merge it into the one on line {runs[0].line}")
         block = self._block(runs[0].entries if runs else (), ovr.run, ovr, RUN_KEYS, "run")
-        return self._filled(block, RUN_KEYS)
+        filled = self._filled(block, RUN_KEYS)
+        for key in ("steps", "max_staleness", "checkpoint_every"):
+            value = filled.get(key)
+            if key in block and isinstance(value, int) and value < (1 if key == "steps" else 0):
+                self.rep.error(block[key].src, f"`{key}` must be at least {1 if key == 'steps' else 0}",
+                               block[key].entry.value,
+                               hint="0 is a synchronous run" if key == "max_staleness" else None)
+        return filled
 
     # ---- the iteration --------------------------------------------------------------------------
 

@@ -131,18 +131,30 @@ def _explain(graph: Graph) -> str:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
+    from flowrl.compiler import optimize
     from flowrl.dsl import load
 
     failed = 0
     for f in args.files:
         try:
-            load(f)
+            graph = load(f)
         except FlowError as e:
             print(e.render(), file=sys.stderr)
             failed += 1
         else:
             print(f"{f}: ok")
+            for note in _settings_not_applied(optimize(graph)):
+                print(f"{f}: note: {note}")
     return 1 if failed else 0
+
+
+def _settings_not_applied(graph: Graph) -> list[str]:
+    """What a valid flow asks for that its compiled graph cannot do, and why (the passes' refusals)."""
+    asked = int(str(graph.run.get("max_staleness", 0) or 0))
+    refusals = [n for rec in graph.passes if rec.name == "async-rollout" for n in rec.notes
+                if n.startswith("synchronous: ")]
+    return [f"run {{ max_staleness = {asked} }} is not applied, the run is synchronous: "
+            f"{n.removeprefix('synchronous: ')}" for n in refusals]
 
 
 def cmd_compile(args: argparse.Namespace) -> int:
@@ -186,6 +198,11 @@ def cmd_run(args: argparse.Namespace) -> int:
                             seed=args.seed, resume=args.resume, overwrite=args.overwrite, device=args.device,
                             on_step=bar.update)
     last = result.metrics[-5:]
+    for note in _settings_not_applied(graph):
+        print(f"note: {note}", file=sys.stderr)
+    about = json.loads((out / "run.json").read_text()) if (out / "run.json").exists() else {}
+    if "synchronous" in about:  # the graph is asynchronous, this backend can't be
+        print(f"note: {about['synchronous']}", file=sys.stderr)
     if last:
         mean = sum(r.get("reward_mean", 0.0) for r in last) / len(last)
         print(f"done: {result.steps} steps, last-5 reward_mean {mean:.3f}; outputs in {out}")

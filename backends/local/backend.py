@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 from flowrl.backends.local.group import InProcessGroup
+from flowrl.errors import Diagnostic, FlowError
 from flowrl.ir.graph import Graph
 from flowrl.runtime.protocol import WorkerGroup
 from flowrl.runtime.worker import ModelWorker
@@ -29,6 +31,8 @@ def in_process_groups(graph: Graph, *, seed: int, device: str,
 
 class LocalBackend:
     name = "local"
+    why_not_async = ("a model placed in several groups is one shared object on the local backend, so generation "
+                     "cannot keep older weights while training changes them (run it on the process or ray backend)")
 
     def start(self, graph: Graph, *, seed: int, device: str) -> dict[str, WorkerGroup]:
         groups = in_process_groups(graph, seed=seed, device=device, pool_of=lambda name, world: None,
@@ -37,6 +41,14 @@ class LocalBackend:
 
     def after_update(self, model: str, group: str) -> float:
         return 0.0  # a model in several groups is one shared object: nothing to send
+
+    def snapshot(self, model: str, group: str) -> Any:
+        raise FlowError(Diagnostic(f"the {self.name} backend cannot keep two versions of {model}",
+                                   hint=self.why_not_async))
+
+    def load_snapshot(self, model: str, group: str, weights: Any) -> float:
+        raise FlowError(Diagnostic(f"the {self.name} backend cannot keep two versions of {model}",
+                                   hint=self.why_not_async))
 
     def shutdown(self) -> None:
         pass

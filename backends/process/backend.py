@@ -9,6 +9,7 @@ the Ray backend does.
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from flowrl.backends.process.group import ProcessRanks
 from flowrl.ir.graph import Graph
@@ -41,6 +42,19 @@ class ProcessBackend:
         weights = source.on_rank(0, "weights", model)
         for g in behind:
             g.load_weights(model, weights)
+        return time.perf_counter() - began
+
+    why_not_async = ""  # every group holds its own copy of its models
+
+    def snapshot(self, model: str, group: str) -> Any:
+        """Rank 0's weights of `model` in `group`, now: a copy in the controller's memory."""
+        return next(g for g in self.groups if g.name == group).on_rank(0, "weights", model)
+
+    def load_snapshot(self, model: str, group: str, weights: Any) -> float:
+        began = time.perf_counter()
+        for g in self.groups:
+            if g.name != group and model in g.models:
+                g.load_weights(model, weights)
         return time.perf_counter() - began
 
     def shutdown(self) -> None:

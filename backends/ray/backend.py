@@ -14,6 +14,7 @@ import time
 import uuid
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
@@ -60,7 +61,10 @@ class RayBackend:
         for wg in graph.worker_groups:
             for m in wg.models:
                 holders.setdefault(m, []).append(wg.name)
-        self.sync = WeightSync(holders)
+        # An asynchronous run's generating model is synced by the controller's snapshots, at the version each
+        # batch is generated with (flowrl.runtime.ahead), never pulled newest-first.
+        manual = {str(n.model) for n in graph.nodes if n.op == "generate" and n.attrs.get("max_staleness")}
+        self.sync = WeightSync(holders, manual=manual)
         pgs = {s.name: self._reserve(s) for s in specs}
         self._await_placement(specs, pgs)
         for s in specs:  # every rank of every group starts at once; then wait for them all
@@ -79,6 +83,20 @@ class RayBackend:
         if self.sync is None or not self.sync.shared(model):
             return 0.0
         return self.sync.push(model)
+
+    why_not_async = ""  # every rank holds its own copy of its models
+
+    def snapshot(self, model: str, group: str) -> Any:
+        """Rank 0's weights of `model` in `group`, now, put in the object store once."""
+        return ray.put(self.groups[group].call("weights", model, dispatch="rank0").result())
+
+    def load_snapshot(self, model: str, group: str, weights: Any) -> float:
+        began = time.perf_counter()
+        futures = [g.call("load_weights", model, weights, dispatch="broadcast")
+                   for name, g in sorted(self.groups.items()) if name != group and model in g.models]
+        for f in futures:
+            f.result()
+        return time.perf_counter() - began
 
     def shutdown(self) -> None:
         for g in self.groups.values():

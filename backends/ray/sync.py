@@ -11,7 +11,7 @@ when it next uses the model pulls first, so results never depend on the controll
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, Sequence, Set
 from typing import TYPE_CHECKING
 
 import ray
@@ -21,8 +21,9 @@ if TYPE_CHECKING:
 
 
 class WeightSync:
-    def __init__(self, holders: Mapping[str, Sequence[str]]):
+    def __init__(self, holders: Mapping[str, Sequence[str]], manual: Set[str] = frozenset()):
         self.holders = {m: tuple(gs) for m, gs in holders.items()}  # model -> the groups that hold it
+        self.manual = frozenset(manual)  # models the controller syncs itself (an asynchronous run's policy)
         self.groups: dict[str, RayWorkerGroup] = {}
         self.behind: dict[str, tuple[str, set[str]]] = {}  # model -> (group with the newest weights, groups behind)
         self.seconds: dict[str, float] = {}  # time spent syncing each model, pulls included
@@ -34,7 +35,7 @@ class WeightSync:
     def updated(self, model: str, group: str) -> None:
         """`group` has just trained `model`: every other holder is now behind."""
         others = set(self.holders.get(model, ())) - {group}
-        if others:
+        if others and model not in self.manual:
             self.behind[model] = (group, others)
 
     def pull(self, model: str, group: str) -> None:

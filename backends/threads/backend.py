@@ -10,9 +10,11 @@ ops), and an update runs once on the whole batch (see `flowrl.backends.local.gro
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 from flowrl.backends.local.backend import in_process_groups
 from flowrl.backends.local.group import InProcessGroup
+from flowrl.errors import Diagnostic, FlowError
 from flowrl.ir.graph import Graph
 from flowrl.runtime.protocol import WorkerGroup
 from flowrl.runtime.schedule import torch_threads
@@ -22,6 +24,8 @@ class ThreadBackend:
     """`world`: ranks of every group, in place of each group's `replicas` (for measurements and tests)."""
 
     name = "threads"
+    why_not_async = ("the threads backend's groups share each model's one copy, so generation cannot keep older "
+                     "weights while training changes them (run it on the process or ray backend)")
 
     def __init__(self, world: int | None = None):
         self.world = world
@@ -38,6 +42,14 @@ class ThreadBackend:
 
     def after_update(self, model: str, group: str) -> float:
         return 0.0  # the groups share each model's one worker: nothing to send
+
+    def snapshot(self, model: str, group: str) -> Any:
+        raise FlowError(Diagnostic(f"the {self.name} backend cannot keep two versions of {model}",
+                                   hint=self.why_not_async))
+
+    def load_snapshot(self, model: str, group: str, weights: Any) -> float:
+        raise FlowError(Diagnostic(f"the {self.name} backend cannot keep two versions of {model}",
+                                   hint=self.why_not_async))
 
     def shutdown(self) -> None:
         for g in self.groups:

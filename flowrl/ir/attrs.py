@@ -96,6 +96,13 @@ class UpdateAttrs(Prefix):
     kl_coef: float = float(default(POLICY_UPDATE, "kl_coef"))
     kl: str = str(default(POLICY_UPDATE, "kl"))
     entropy_coef: float = float(default(POLICY_UPDATE, "entropy_coef"))
+    is_correction: str = str(default(POLICY_UPDATE, "is_correction"))
+    is_cap: float = float(default(POLICY_UPDATE, "is_cap"))
+
+    @property
+    def correction(self) -> str:
+        """The off-policy correction in force: "auto" (left for pass async-rollout to decide) is "none"."""
+        return "none" if self.is_correction == "auto" else self.is_correction
 
     @classmethod
     def of(cls, attrs: Mapping[str, Any]) -> UpdateAttrs:

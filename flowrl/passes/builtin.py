@@ -1,6 +1,7 @@
 """The built-in pass pipeline, in order. Each import registers one pass; PIPELINE is their order."""
 
 from flowrl.passes import (  # noqa: F401  (registers them)
+    async_rollout,
     fuse_gen_inference,
     fuse_train,
     on_policy_logp,
@@ -8,4 +9,4 @@ from flowrl.passes import (  # noqa: F401  (registers them)
     share_prefix,
 )
 
-PIPELINE = ("on-policy-logp", "share-prefix", "fuse-gen-inference", "score-tail", "fuse-train")
+PIPELINE = ("on-policy-logp", "async-rollout", "share-prefix", "fuse-gen-inference", "score-tail", "fuse-train")

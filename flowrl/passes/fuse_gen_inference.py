@@ -47,6 +47,10 @@ FLUSH_STEPS = 8
 def why_not_stream(graph: Graph, gen: Node) -> str | None:
     """None when `gen` can stream finished samples downstream, else why it cannot (one per condition)."""
     model = graph.model(str(gen.model))
+    if gen.attrs.get("max_staleness"):
+        # Pass async-rollout: generation runs ahead of training, and the forwards that read it run with the
+        # newest weights, steps later.
+        return "asynchronous rollout (pass async-rollout): generation overlaps the training of earlier steps instead"
     if model.engine != "torch":
         # Only flowrl's torch generation engine yields samples as they finish.
         return f"{model.name} uses engine {model.engine!r}, which cannot hand samples over as they finish"

@@ -131,7 +131,7 @@ def training_batch(inputs: Mapping[str, Batch]) -> Batch:
     its parameter name (its value field: `old_logp` is a log-prob forward's `logp`, ...)."""
     rollout = inputs["rollout"]
     tensors: dict[str, torch.Tensor] = {k: rollout[k] for k in ("prompt_ids", "prompt_mask", "response_ids", "response_mask",
-                                        "temperature", "group_id") if k in rollout.tensors}
+                                        "temperature", "group_id", "gen_logp") if k in rollout.tensors}
     for param, batch in inputs.items():
         if param == "rollout":
             continue

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 import traceback
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,6 +56,7 @@ class Controller:
         self.after_update = after_update  # the backend's weight-sync hook (split placement), if it has one
         self.declined: dict[str, str] = {}  # fused stages this backend runs unfused: node id -> why
         self.lengths = LengthTracker(graph)  # how well response lengths were predicted (checkpointed)
+        self.own_sync: set[str] = set()  # models whose weight sync the caller drives (an asynchronous run's)
 
     def step_seed(self, step: int, node: Node) -> int:
         # A seed per (step, node) makes a resumed run draw the same samples as an uninterrupted one.
@@ -64,8 +65,15 @@ class Controller:
     def step(self, step: int) -> StepResult:
         values: dict[str, Batch] = {}
         result = StepResult({})
+        self.run_nodes(self.graph.nodes, values, step, result)
+        self.finish(step, values, result)
+        return result
+
+    def run_nodes(self, nodes: Sequence[Node], values: dict[str, Batch], step: int, result: StepResult) -> None:
+        """Run `nodes` (in schedule order; a fused stage's members all run when its first is reached) on
+        `values`, adding their outputs to it and their spans and metrics to `result`."""
         finished: set[str] = set()
-        for node in self.graph.nodes:
+        for node in nodes:
             if node.id in finished:  # already ran as a member of a fused stage
                 continue
             start = time.perf_counter()
@@ -87,14 +95,23 @@ class Controller:
                 result.spans.append(Span(r.node.id, r.node.op, r.node.worker_group, step, r.start - self.t0, dur))
                 result.metrics[f"time/{r.node.id}"] = dur
             self._sync_weights(ran, step, result)
+
+    def finish(self, step: int, values: dict[str, Batch], result: StepResult, *, counts: bool = True) -> None:
+        """The step's summary metrics and lengths trace, once all its nodes ran; `counts`: also what the rewards'
+        `on_error = "zero"` absorbed since last taken (an asynchronous run takes them with each rollout)."""
         result.metrics.update(_summary(self.graph, values))
         lengths, result.lengths = self.lengths.record(values, step)
         result.metrics.update(lengths)
-        for scorer in self.rewards.values():
-            if scorer.overlaps:  # workers or a service: what `on_error = "zero"` absorbed this step
-                result.metrics.update(scorer.take_counts())
+        if counts:
+            result.metrics.update(self.reward_counts())
         result.values = values
-        return result
+
+    def reward_counts(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for scorer in self.rewards.values():
+            if scorer.overlaps:  # workers or a service: what `on_error = "zero"` absorbed
+                out.update(scorer.take_counts())
+        return out
 
     def _stage(self, node: Node, values: dict[str, Batch], step: int, metrics: dict[str, float]) -> list[StageRun]:
         """A fused stage; a rank lost during it (rank-by-rank calls are not re-sent by their group, as a plain
@@ -122,7 +139,7 @@ class Controller:
         if self.after_update is None:
             return
         for r in ran:
-            if r.node.op != "update" or r.node.model is None:
+            if r.node.op != "update" or r.node.model is None or r.node.model in self.own_sync:
                 continue
             start = time.perf_counter()
             try:

@@ -14,6 +14,7 @@ import torch
 
 from flowrl.algos import gae, grpo_advantages, kl, reinforce_pp_returns, rloo_advantages, whiten
 from flowrl.errors import Diagnostic, RewardError
+from flowrl.ir.signatures import PASS_KEYS
 from flowrl.registry import FUNCTIONS as USER_FUNCTIONS
 from flowrl.registry import RewardFn, extra_columns
 from flowrl.runtime.batch import Batch
@@ -97,7 +98,7 @@ BUILTINS: dict[str, Callable[..., Batch]] = {
 
 def call_function(name: str, inputs: Mapping[str, Batch], attrs: Mapping[str, Any]) -> Batch:
     """Run a built-in or user-registered step function with node inputs by parameter name."""
-    kwargs = {k: v for k, v in attrs.items() if k != "fn"}
+    kwargs = {k: v for k, v in attrs.items() if k != "fn" and k not in PASS_KEYS}  # not the passes' bookkeeping
     fn = BUILTINS.get(name) or USER_FUNCTIONS.get(name)
     if fn is None:
         raise KeyError(f"no step function named {name!r}")

@@ -67,13 +67,23 @@ class WorkerGroup(Protocol):
 class Backend(Protocol):
     """Where a plan runs. `after_update(model, group)` is called by the controller right after `model` was
     trained in `group`: it brings every other group holding `model` (split placement) up to date and returns
-    the seconds it took (0.0 when no other group holds it, or when the groups share the weights in place)."""
+    the seconds it took (0.0 when no other group holds it, or when the groups share the weights in place).
+
+    An asynchronous run (pass async-rollout) generates with older weights than it trains: `snapshot(model,
+    group)` takes the weights `group` holds now (right after an update), `load_snapshot(model, group, weights)`
+    loads them, later, into every other group holding `model` and returns the seconds it took. A backend whose
+    groups share one copy of the weights cannot do that and says why in `why_not_async` ("" when it can)."""
 
     name: str
+    why_not_async: str
 
     def start(self, graph: Graph, *, seed: int, device: str) -> dict[str, WorkerGroup]: ...
 
     def after_update(self, model: str, group: str) -> float: ...
+
+    def snapshot(self, model: str, group: str) -> Any: ...
+
+    def load_snapshot(self, model: str, group: str, weights: Any) -> float: ...
 
     def shutdown(self) -> None: ...
 

@@ -11,6 +11,7 @@ import os
 import shutil
 import time
 from collections.abc import Callable, Mapping
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ from flowrl.errors import Diagnostic, FlowError
 from flowrl.ir.graph import Graph
 from flowrl.ir.printer import to_json_text, to_text
 from flowrl.runtime import report
+from flowrl.runtime.ahead import Ahead, async_node
 from flowrl.runtime.controller import Controller, Span
 from flowrl.runtime.protocol import Backend, WorkerGroup
 from flowrl.runtime.scoring import Scorer, make_scorer
@@ -90,15 +92,16 @@ def run(graph: Graph, *, out_dir: str | Path, backend: Backend, steps: int | Non
     be = backend
     t0 = time.perf_counter()
     rewards: dict[str, Scorer] = {}
+    ahead: Ahead | None = None
     try:
         rewards = scorers_of(graph)
         groups = be.start(graph, seed=seed, device=dev)
         start = 0
         events: list[dict[str, Any]] = []
         ckpt = last_checkpoint(out) if resume else None
-        lengths: dict[str, Any] = {}
+        kept: dict[str, Any] = {}
         if ckpt is not None:
-            start, lengths = _load_checkpoint(ckpt, groups, loaders)
+            start, kept = _load_checkpoint(ckpt, groups, loaders)
             report.truncate_metrics(metrics_path, start)
             report.truncate_metrics(lengths_path, start)
             events = [e for e in report.load_trace(trace_path) if e.get("ph") == "X" and e["args"]["step"] <= start]
@@ -106,13 +109,19 @@ def run(graph: Graph, *, out_dir: str | Path, backend: Backend, steps: int | Non
         about: dict[str, Any] = {"flow": graph.path, "backend": be.name, "seed": seed, "steps": total, "device": dev}
         (out / "run.json").write_text(json.dumps(about, indent=2), encoding="utf-8")
         ctl = Controller(graph, groups, loaders, rewards, seed=seed, clock_start=t0, after_update=be.after_update)
-        ctl.lengths.load_state_dict(lengths)
+        ctl.lengths.load_state_dict(kept.get("lengths", {}))
+        gen = async_node(graph)
+        if gen is not None and be.why_not_async:  # the graph is asynchronous, this backend can't be
+            about["synchronous"] = f"max_staleness = {gen.attrs['max_staleness']} not applied: {be.why_not_async}"
+            (out / "run.json").write_text(json.dumps(about, indent=2), encoding="utf-8")
+        elif gen is not None:
+            ahead = Ahead(ctl, be, first=start + 1, last=total, state=kept.get("ahead"))
         tb = report.TensorBoard(out / "tb")
         group_names = ["controller", *[w.name for w in graph.worker_groups]]
         spans: list[Span] = []
         for step in range(start + 1, total + 1):
             began = time.perf_counter()
-            res = ctl.step(step)
+            res = ahead.step(step) if ahead is not None else ctl.step(step)
             row: dict[str, Any] = {"step": step, **res.metrics, "step_time_s": time.perf_counter() - began}
             row["tokens_per_s"] = row.get("gen_tokens", 0.0) / max(row["step_time_s"], 1e-9)
             report.append_metrics(metrics_path, row)
@@ -123,13 +132,19 @@ def run(graph: Graph, *, out_dir: str | Path, backend: Backend, steps: int | Non
             if on_step is not None:
                 on_step(step, row)
             if (every and step % every == 0) or step == total:
-                _save_checkpoint(out, step, groups, loaders, ctl.lengths.state_dict())
+                with ahead.paused() if ahead is not None else nullcontext():  # groups idle while read
+                    extra = {"lengths": ctl.lengths.state_dict()}
+                    if ahead is not None:
+                        extra["ahead"] = ahead.state_dict()
+                    _save_checkpoint(out, step, groups, loaders, extra)
                 report.write_trace(trace_path, report.trace_events(spans, group_names, prior=events))
         tb.close()
         if ctl.declined:  # fused stages this backend ran unfused, and why
             about["unfused"] = dict(ctl.declined)
             (out / "run.json").write_text(json.dumps(about, indent=2), encoding="utf-8")
     finally:
+        if ahead is not None:
+            ahead.close()
         close_scorers(rewards)
         be.shutdown()
     metrics = report.read_metrics(metrics_path)
@@ -155,15 +170,16 @@ def _claim(out: Path, resume: bool, overwrite: bool) -> None:
 
 
 def _save_checkpoint(out: Path, step: int, groups: dict[str, WorkerGroup], loaders: dict[str, PromptLoader],
-                     lengths: dict[str, Any]) -> None:
-    """Models, optimizers, data-loader positions and the length predictors' history. Sampling RNG is derived
-    from (seed, step), so the step number restores it. Written to a temp file and renamed so a crash never leaves
-    a torn checkpoint."""
+                     extra: Mapping[str, Any]) -> None:
+    """Models, optimizers, data-loader positions, and `extra`: the length predictors' history ("lengths") and an
+    asynchronous run's queue, versions and pending snapshots ("ahead"). Sampling RNG is derived from (seed,
+    step), so the step number restores it. Written to a temp file and renamed so a crash never leaves a torn
+    checkpoint."""
     state = {
         "step": step,
         "groups": {name: g.state_dict() for name, g in groups.items()},
         "loaders": {name: ld.state_dict() for name, ld in loaders.items()},
-        "lengths": lengths,
+        **extra,
     }
     path = out / CKPT_DIR / f"step_{step:06d}.pt"
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -174,11 +190,11 @@ def _save_checkpoint(out: Path, step: int, groups: dict[str, WorkerGroup], loade
 
 def _load_checkpoint(path: Path, groups: dict[str, WorkerGroup],
                      loaders: dict[str, PromptLoader]) -> tuple[int, dict[str, Any]]:
-    """Restores groups and loaders; returns the step and the length predictors' state (empty in checkpoints
-    written before they were kept)."""
+    """Restores groups and loaders; returns the step and what else was kept ("lengths", "ahead"; absent in
+    checkpoints written before they were)."""
     state = torch.load(path, map_location="cpu", weights_only=False)
     for name, g in groups.items():
         g.load_state_dict(state["groups"][name])
     for name, ld in loaders.items():
         ld.load_state_dict(state["loaders"][name])
-    return int(state["step"]), dict(state.get("lengths", {}))
+    return int(state["step"]), {k: state[k] for k in ("lengths", "ahead") if k in state}

@@ -300,7 +300,9 @@ class ModelWorker:
         dev = self.device
         return policy_loss(
             logp, mb["old_logp"].to(dev) if "old_logp" in mb.tensors else None, mb["advantages"].to(dev), mask,
-            ref_logp=mb["ref_logp"].to(dev) if "ref_logp" in mb.tensors else None, entropy=entropy, clip=a.clip,
+            ref_logp=mb["ref_logp"].to(dev) if "ref_logp" in mb.tensors else None,
+            behav_logp=mb["gen_logp"].to(dev) if "gen_logp" in mb.tensors else None,
+            is_correction=a.correction, is_cap=a.is_cap, entropy=entropy, clip=a.clip,
             clip_high=a.clip_high, dual_clip=a.dual_clip, kl_coef=a.kl_coef, kl_kind=a.kl,
             entropy_coef=a.entropy_coef, agg=a.agg, **denoms)
 

@@ -130,9 +130,17 @@ def _nodes(dot: graphviz.Digraph, g: Graph, nodes: Iterable[Node], fused: dict[s
 
 
 def _data_edges(dot: graphviz.Digraph, g: Graph) -> None:
+    """One edge per input; an asynchronous one (pass async-rollout: the value comes from a queue, generated up
+    to max_staleness updates earlier) dashed and labelled so."""
+    k = g.run.get("max_staleness", 0)
     for n in g.nodes:
+        queued = set(str(n.attrs.get("async_inputs") or "").split(","))
         for param, src in n.inputs:
-            dot.edge(src, n.id, label=param)
+            if src in queued:
+                dot.edge(src, n.id, label=f"{param} (async, \u2264{k} stale)", style="dashed", color="#e8590c",
+                         fontcolor="#e8590c")
+            else:
+                dot.edge(src, n.id, label=param)
 
 
 def _fusion_groups(nodes: Iterable[Node]) -> dict[str, list[Node]]:

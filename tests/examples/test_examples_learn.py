@@ -29,3 +29,13 @@ def test_every_example_compiles() -> None:
     assert flows
     for path in flows:
         flowrl.load(str(path))
+
+
+@pytest.mark.slow
+def test_the_asynchronous_example_learns(tmp_path: Path) -> None:
+    """grpo_arith_async.flow at K = 1 on the process backend (the local one would run it synchronously)."""
+    res = run(flowrl.load(str(EXAMPLES / "grpo_arith_async.flow")), out_dir=tmp_path, backend="process", steps=300)
+    rewards = [r["reward_mean"] for r in res.metrics]
+    assert {r["async/staleness_max"] for r in res.metrics[1:]} == {1.0}
+    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+    assert last - first >= 0.2, f"reward {first:.3f} -> {last:.3f}"
