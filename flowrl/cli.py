@@ -206,6 +206,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     if last:
         mean = sum(r.get("reward_mean", 0.0) for r in last) / len(last)
         print(f"done: {result.steps} steps, last-5 reward_mean {mean:.3f}; outputs in {out}")
+    if result.cost:
+        from flowrl.runtime.cost import table
+
+        print(table(result.cost))
     return 0
 
 

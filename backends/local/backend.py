@@ -50,5 +50,8 @@ class LocalBackend:
         raise FlowError(Diagnostic(f"the {self.name} backend cannot keep two versions of {model}",
                                    hint=self.why_not_async))
 
+    def usage(self) -> None:
+        return None  # fixed pools: every device held from start to shutdown
+
     def shutdown(self) -> None:
         pass

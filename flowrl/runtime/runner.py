@@ -12,7 +12,7 @@ import shutil
 import time
 from collections.abc import Callable, Mapping
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +22,7 @@ from flowrl.data.jsonl import PromptLoader, read_jsonl
 from flowrl.errors import Diagnostic, FlowError
 from flowrl.ir.graph import Graph
 from flowrl.ir.printer import to_json_text, to_text
-from flowrl.runtime import report
+from flowrl.runtime import cost, report
 from flowrl.runtime.ahead import Ahead, async_node
 from flowrl.runtime.controller import Controller, Span
 from flowrl.runtime.protocol import Backend, WorkerGroup
@@ -36,6 +36,7 @@ class RunResult:
     out_dir: Path
     metrics: list[dict[str, Any]]
     steps: int
+    cost: dict[str, Any] = field(default_factory=dict)  # device-seconds per pool (flowrl.runtime.cost.summary)
 
 
 def last_checkpoint(out_dir: Path) -> Path | None:
@@ -93,9 +94,13 @@ def run(graph: Graph, *, out_dir: str | Path, backend: Backend, steps: int | Non
     t0 = time.perf_counter()
     rewards: dict[str, Scorer] = {}
     ahead: Ahead | None = None
+    pools: list[cost.Pool] = []
     try:
         rewards = scorers_of(graph)
+        starting = time.perf_counter()
         groups = be.start(graph, seed=seed, device=dev)
+        starting = time.perf_counter() - starting
+        pools = cost.pools_of(graph, groups)
         start = 0
         events: list[dict[str, Any]] = []
         ckpt = last_checkpoint(out) if resume else None
@@ -119,11 +124,16 @@ def run(graph: Graph, *, out_dir: str | Path, backend: Backend, steps: int | Non
         tb = report.TensorBoard(out / "tb")
         group_names = ["controller", *[w.name for w in graph.worker_groups]]
         spans: list[Span] = []
+        meter = cost.CostMeter(pools, starting_s=starting, clock=time.perf_counter())
+        wall0 = time.time() - time.perf_counter()  # wall clock minus perf_counter: instance tasks report wall time
         for step in range(start + 1, total + 1):
             began = time.perf_counter()
             res = ahead.step(step) if ahead is not None else ctl.step(step)
             row: dict[str, Any] = {"step": step, **res.metrics, "step_time_s": time.perf_counter() - began}
             row["tokens_per_s"] = row.get("gen_tokens", 0.0) / max(row["step_time_s"], 1e-9)
+            used = be.usage()
+            row.update(meter.step(res.spans, time.perf_counter(), used))
+            res.spans.extend(cost.instance_spans(used or [], step, wall0 + t0))
             report.append_metrics(metrics_path, row)
             for trace_row in res.lengths:
                 report.append_metrics(lengths_path, trace_row)
@@ -150,7 +160,10 @@ def run(graph: Graph, *, out_dir: str | Path, backend: Backend, steps: int | Non
     metrics = report.read_metrics(metrics_path)
     if metrics:
         report.plot_rewards(metrics, out / "reward.png", graph.flow)
-    return RunResult(out, metrics, total)
+    spent = cost.summary(metrics, pools) if pools else {}
+    if spent:
+        (out / "cost.json").write_text(json.dumps(spent, indent=2), encoding="utf-8")
+    return RunResult(out, metrics, total, spent)
 
 
 def _claim(out: Path, resume: bool, overwrite: bool) -> None:
@@ -163,7 +176,7 @@ def _claim(out: Path, resume: bool, overwrite: bool) -> None:
                                        hint="continue it with --resume, replace it with --overwrite, "
                                             "or choose another --out"))
         shutil.rmtree(out / CKPT_DIR, ignore_errors=True)
-        for name in ("metrics.jsonl", "lengths.jsonl", "trace.json", "reward.png"):
+        for name in ("metrics.jsonl", "lengths.jsonl", "trace.json", "reward.png", "cost.json"):
             (out / name).unlink(missing_ok=True)
         shutil.rmtree(out / "tb", ignore_errors=True)
     out.mkdir(parents=True, exist_ok=True)

@@ -32,7 +32,7 @@ ADDED_SINCE = ("/length_spearman",)
 
 def _clean(row: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in row.items()
-            if not k.startswith(("time/", "fusion/")) and k not in ("step_time_s", "tokens_per_s")
+            if not k.startswith(("time/", "fusion/", "cost/")) and k not in ("step_time_s", "tokens_per_s")
             and not k.endswith(ADDED_SINCE)}
 
 

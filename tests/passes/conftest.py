@@ -115,8 +115,8 @@ def assert_same_numbers(a: list[StepResult], b: list[StepResult], tol: float = 1
                 u = other.tensors[key]
                 assert t.shape == u.shape, (node, key)
                 assert torch.allclose(t.float(), u.float(), atol=tol, rtol=0), (node, key)
-        keys = {k for k in ra.metrics if not k.startswith(("time/", "fusion/"))}
-        assert keys == {k for k in rb.metrics if not k.startswith(("time/", "fusion/"))}
+        keys = {k for k in ra.metrics if not k.startswith(("time/", "fusion/", "cost/"))}
+        assert keys == {k for k in rb.metrics if not k.startswith(("time/", "fusion/", "cost/"))}
         for k in keys:
             assert abs(ra.metrics[k] - rb.metrics[k]) <= tol, k
 

@@ -29,8 +29,8 @@ def _same(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> None:
     1e-3 later (AdamW's first steps magnify float rounding; see tests/passes/conftest.assert_same_numbers)."""
     for step, (ra, rb) in enumerate(zip(a, b, strict=True)):
         tol = 1e-5 if step == 0 else 1e-3
-        keys = {k for k in ra if not k.startswith(("time/", "fusion/")) and k not in ("step_time_s", "tokens_per_s")}
-        assert keys == {k for k in rb if not k.startswith(("time/", "fusion/")) and k not in ("step_time_s",
+        keys = {k for k in ra if not k.startswith(("time/", "fusion/", "cost/")) and k not in ("step_time_s", "tokens_per_s")}
+        assert keys == {k for k in rb if not k.startswith(("time/", "fusion/", "cost/")) and k not in ("step_time_s",
                                                                                                "tokens_per_s")}
         for k in sorted(keys):
             assert abs(float(ra[k]) - float(rb[k])) <= tol, (ra["step"], k, ra[k], rb[k])

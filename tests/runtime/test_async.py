@@ -50,7 +50,7 @@ def write(tmp: Path, k: int = 1, reward: str = "digits.reward", extra: str = "")
 
 def numbers(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Metrics without timings (and the queue's own waits)."""
-    return [{k: v for k, v in r.items() if not k.startswith(("time/", "async/")) and not k.endswith("_idle_s")
+    return [{k: v for k, v in r.items() if not k.startswith(("time/", "async/", "cost/")) and not k.endswith("_idle_s")
              and k not in ("step_time_s", "tokens_per_s")} for r in rows]
 
 

@@ -35,7 +35,7 @@ def write_flow(tmp: Path, algo: str = "grpo", reward: str = "flowrl.rewards.arit
 
 
 def strip_times(rows: list[dict]) -> list[dict]:
-    return [{k: v for k, v in r.items() if not k.startswith("time/") and k not in ("step_time_s", "tokens_per_s")}
+    return [{k: v for k, v in r.items() if not k.startswith(("time/", "cost/")) and k not in ("step_time_s", "tokens_per_s")}
             for r in rows]
 
 

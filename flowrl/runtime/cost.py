@@ -1,0 +1,142 @@
+"""Device-seconds per pool and step: what a run holds, what it uses, what it spends starting (the cost report).
+
+A pool's devices are its worker groups' ranks (on a machine without GPUs a rank stands for the device it would
+hold). A fixed-pool backend holds every device from the moment its groups start to the end of the run, so per
+step `held` is the pool's devices times the wall time since the previous step ended (checkpoint writes
+included), `busy` its devices times the union of its nodes' spans, `starting` the time the backend took to
+start its groups (charged to the first step, with one cold start per rank), and `idle` what is left. Metrics:
+`cost/held_s`, `cost/busy_s`, `cost/idle_s`, `cost/starting_s`, `cost/cold_starts` over all pools and
+`cost/POOL/held_s`, `cost/POOL/busy_s` per pool; `summary` totals them from metrics.jsonl for the end-of-run
+table (`cost.json`), so a resumed run reports its whole history.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from flowrl.ir.graph import Graph
+from flowrl.runtime.controller import Span
+from flowrl.runtime.protocol import WorkerGroup
+
+PREFIX = "cost/"
+
+
+def union_s(intervals: Iterable[tuple[float, float]]) -> float:
+    """Seconds covered by at least one of `intervals` (start, end)."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b <= end:
+            continue
+        total += b - max(a, end)
+        end = b
+    return total
+
+
+@dataclass(frozen=True)
+class Pool:
+    name: str
+    groups: tuple[str, ...]
+    devices: int
+
+
+def pools_of(graph: Graph, groups: Mapping[str, WorkerGroup]) -> list[Pool]:
+    """Each pool with the groups placed on it and the ranks they run (a group without a pool is its own)."""
+    found: dict[str, list[str]] = {}
+    for g in graph.worker_groups:
+        found.setdefault(g.pool or g.name, []).append(g.name)
+    return [Pool(name, tuple(names), sum(groups[n].world for n in names if n in groups))
+            for name, names in found.items()]
+
+
+class CostMeter:
+    """Per-step device-seconds of a fixed-pool run (see the module docstring)."""
+
+    def __init__(self, pools: Sequence[Pool], *, starting_s: float, clock: float):
+        self.pools = list(pools)
+        self.starting_s = starting_s  # the backend's start, charged to the first step this meter sees
+        self.last = clock  # perf_counter when the previous step ended (or the groups were up)
+        self.first = True
+
+    def step(self, spans: Sequence[Span], now: float, usage: Sequence[Any] | None = None) -> dict[str, float]:
+        """The step's figures; `usage`: an elastic backend's instance tasks in the step (`Backend.usage()`),
+        None for fixed pools."""
+        wall = now - self.last
+        self.last = now
+        if usage is not None:
+            return self._elastic(usage)
+        out: dict[str, float] = {}
+        totals = {"held_s": 0.0, "busy_s": 0.0, "starting_s": 0.0, "cold_starts": 0.0}
+        for p in self.pools:
+            busy = union_s((s.start, s.start + s.dur) for s in spans if s.group in p.groups) * p.devices
+            starting = self.starting_s * p.devices if self.first else 0.0
+            held = wall * p.devices + starting
+            out[f"{PREFIX}{p.name}/held_s"] = held
+            out[f"{PREFIX}{p.name}/busy_s"] = min(busy, held)
+            totals["held_s"] += held
+            totals["busy_s"] += min(busy, held)
+            totals["starting_s"] += starting
+            totals["cold_starts"] += p.devices if self.first else 0.0
+        totals["idle_s"] = max(0.0, totals["held_s"] - totals["busy_s"] - totals["starting_s"])
+        out.update({PREFIX + k: v for k, v in totals.items()})
+        self.first = False
+        return out
+
+
+    def _elastic(self, usage: Sequence[Any]) -> dict[str, float]:
+        """Elastic pools hold a device only while an instance runs: held = the instances' task time (building
+        the models on a cold start, loading newer weights, running), busy = running."""
+        out: dict[str, float] = {}
+        totals = dict.fromkeys(("held_s", "busy_s", "starting_s", "loading_s", "cold_starts", "warm_starts"), 0.0)
+        for p in self.pools:
+            mine = [u for u in usage if u.pool == p.name]
+            held, busy = sum(u.held_s for u in mine), sum(u.run_s for u in mine)
+            out[f"{PREFIX}{p.name}/held_s"], out[f"{PREFIX}{p.name}/busy_s"] = held, busy
+            out[f"{PREFIX}{p.name}/instances"] = float(len({u.pid for u in mine}))
+            totals["held_s"] += held
+            totals["busy_s"] += busy
+            totals["starting_s"] += sum(u.start_s for u in mine)
+            totals["loading_s"] += sum(u.load_s for u in mine)
+            totals["cold_starts"] += sum(1 for u in mine if u.cold)
+            totals["warm_starts"] += sum(1 for u in mine if not u.cold)
+        totals["idle_s"] = max(0.0, totals["held_s"] - totals["busy_s"] - totals["starting_s"] - totals["loading_s"])
+        out.update({PREFIX + k: v for k, v in totals.items()})
+        self.first = False
+        return out
+
+
+def summary(rows: Sequence[Mapping[str, Any]], pools: Sequence[Pool]) -> dict[str, Any]:
+    """The whole run's device-seconds per pool and in all, from its metrics rows."""
+
+    def total(key: str) -> float:
+        return float(sum(float(r.get(key, 0.0)) for r in rows))
+
+    out: dict[str, Any] = {"pools": []}
+    for p in pools:
+        held, busy = total(f"{PREFIX}{p.name}/held_s"), total(f"{PREFIX}{p.name}/busy_s")
+        out["pools"].append({"pool": p.name, "devices": p.devices, "held_s": held, "busy_s": busy,
+                             "utilization": busy / held if held else 0.0})
+    for key in ("held_s", "busy_s", "idle_s", "starting_s", "loading_s", "cold_starts", "warm_starts"):
+        out[key] = total(PREFIX + key)
+    out["utilization"] = out["busy_s"] / out["held_s"] if out["held_s"] else 0.0
+    return out
+
+
+def instance_spans(usage: Sequence[Any], step: int, t0_wall: float) -> list[Span]:
+    """An elastic backend's instance tasks as trace spans, one track per pool (`POOL instances`): where device
+    time goes, beside the nodes' own spans."""
+    return [Span(f"instance {u.pid}" + (" (cold)" if u.cold else ""), "held", f"{u.pool} instances", step,
+                 u.began - t0_wall, u.held_s) for u in usage]
+
+
+def table(report: Mapping[str, Any]) -> str:
+    """The summary as the text table printed at the end of `flowrl run`."""
+    lines = [f"{'pool':<12} {'devices':>7} {'held dev-s':>11} {'busy dev-s':>11} {'busy':>6}"]
+    for p in report["pools"]:
+        lines.append(f"{p['pool']:<12} {p['devices']:>7} {p['held_s']:>11.1f} {p['busy_s']:>11.1f} "
+                     f"{p['utilization']:>6.0%}")
+    lines.append(f"{'all':<12} {'':>7} {report['held_s']:>11.1f} {report['busy_s']:>11.1f} "
+                 f"{report['utilization']:>6.0%}   (starting {report['starting_s']:.1f} dev-s, "
+                 f"{int(report['cold_starts'])} cold starts)")
+    return "\n".join(lines)

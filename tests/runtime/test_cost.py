@@ -1,0 +1,76 @@
+"""The cost report (flowrl.runtime.cost): device-seconds held and busy per pool and step, summed at the end."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import flowrl
+from flowrl.runtime.controller import Span
+from flowrl.runtime.cost import CostMeter, Pool, union_s
+
+FLOW = """
+model actor : policy { source = "tiny:gpt2", layers = 1, dim = 32, heads = 2, charset = "0123456789+=", lr = 1e-3,
+                      replicas = 2 }
+model ref : reference { source = actor, replicas = 2 }
+reward correct = "flowrl.rewards.arith_exact"
+data prompts = jsonl("data.jsonl") { batch = 4 }
+use grpo(reward = correct, group = 4, max_tokens = 3, kl_coef = 0.01)
+placement {
+    pool gen   { gpus = 2 }
+    pool train { gpus = 2 }
+    actor.generate -> gen
+    actor.update, ref -> train
+}
+run { steps = 3, seed = 2 }
+"""
+
+
+@pytest.mark.parametrize(("intervals", "want"), [
+    ([], 0.0),
+    ([(0.0, 1.0), (2.0, 3.0)], 2.0),
+    ([(0.0, 2.0), (1.0, 3.0)], 3.0),  # overlap counted once
+    ([(0.0, 4.0), (1.0, 2.0)], 4.0),  # nested
+    ([(2.0, 3.0), (0.0, 1.0), (0.5, 2.5)], 3.0),
+])
+def test_union(intervals: list[tuple[float, float]], want: float) -> None:
+    assert union_s(intervals) == pytest.approx(want)
+
+
+def test_the_meter_on_hand_made_spans() -> None:
+    pools = [Pool("gen", ("gen",), 1), Pool("train", ("train",), 2)]
+    meter = CostMeter(pools, starting_s=3.0, clock=10.0)
+    spans = [Span("rollout", "generate", "gen", 1, 0.0, 1.0), Span("ref_logp", "logprobs", "train", 1, 1.0, 0.5),
+             Span("actor.update", "update", "train", 1, 1.5, 1.0), Span("scores", "reward", "controller", 1, 1.0, 0.1)]
+    first = meter.step(spans, now=14.0)  # 4 s since the groups were up
+    assert first["cost/gen/held_s"] == 1 * 4.0 + 1 * 3.0 and first["cost/train/held_s"] == 2 * 4.0 + 2 * 3.0
+    assert first["cost/gen/busy_s"] == 1.0 and first["cost/train/busy_s"] == 2 * 1.5
+    assert first["cost/held_s"] == 21.0 and first["cost/busy_s"] == 4.0 and first["cost/starting_s"] == 9.0
+    assert first["cost/idle_s"] == 21.0 - 4.0 - 9.0 and first["cost/cold_starts"] == 3
+    second = meter.step([], now=16.0)
+    assert second["cost/held_s"] == 3 * 2.0 and second["cost/starting_s"] == 0 and second["cost/cold_starts"] == 0
+
+
+def test_a_run_reports_its_device_seconds_and_they_match_its_trace(tmp_path: Path) -> None:
+    rows = [{"prompt": f"{a}+{b}=", "answer": a + b} for a in range(3) for b in range(3)]
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "f.flow").write_text(FLOW)
+    res = flowrl.run(flowrl.load(str(tmp_path / "f.flow")), out_dir=tmp_path / "out", backend="process")
+    devices = {"gen": 2, "train": 2}  # the ranks each pool's group runs
+    events = [e for e in json.loads((tmp_path / "out" / "trace.json").read_text())["traceEvents"]
+              if e.get("ph") == "X"]
+    for row in res.metrics:
+        assert row["cost/held_s"] == pytest.approx(sum(row[f"cost/{p}/held_s"] for p in devices))
+        assert row["cost/busy_s"] == pytest.approx(sum(row[f"cost/{p}/busy_s"] for p in devices))
+        for pool, n in devices.items():  # busy = the union of the pool's spans in trace.json, times its devices
+            spans = [(e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6) for e in events
+                     if e["args"]["group"] == pool and e["args"]["step"] == row["step"]]
+            assert row[f"cost/{pool}/busy_s"] == pytest.approx(union_s(spans) * n, abs=1e-5)
+            assert row[f"cost/{pool}/busy_s"] <= row[f"cost/{pool}/held_s"]
+    assert [r["cost/cold_starts"] for r in res.metrics] == [4, 0, 0]  # every rank started once, cold
+    saved = json.loads((tmp_path / "out" / "cost.json").read_text())
+    assert saved == res.cost
+    assert saved["held_s"] == pytest.approx(sum(r["cost/held_s"] for r in res.metrics))
+    assert {p["pool"]: p["devices"] for p in saved["pools"]} == devices
