@@ -65,3 +65,7 @@ register("process", "flowrl.backends.process:ProcessBackend",
 register("ray", "flowrl.backends.ray:RayBackend",
          "every worker group as `replicas` Ray actors in a placement group; --address joins a cluster",
          extra="ray", options=("address", "log_dir"))
+register("serverless", "flowrl.backends.serverless:ServerlessBackend",
+         "every worker group as an elastic pool of Ray tasks that hold a device slot only while they run; "
+         "--address joins a cluster whose nodes declare `device_slot` resources",
+         extra="ray", options=("address", "log_dir"))

@@ -30,10 +30,12 @@ log = logging.getLogger("flowrl.ray")
 class Session:
     """This process's connection to Ray; `close` undoes only what `open` did."""
 
-    def __init__(self, address: str | None = None, log_dir: str | Path | None = None, num_cpus: int | None = None):
+    def __init__(self, address: str | None = None, log_dir: str | Path | None = None, num_cpus: int | None = None,
+                 resources: dict[str, float] | None = None):
         self.address = address or os.environ.get("RAY_ADDRESS") or None
         self.log_dir = Path(log_dir) if log_dir else None
         self.num_cpus = num_cpus
+        self.resources = resources  # custom resources of a local instance started here (the serverless slots)
         self.owned = False  # did we start (or connect) Ray, so that we shut it down?
         self._temp: Path | None = None
         self._handler: logging.Handler | None = None
@@ -59,7 +61,8 @@ class Session:
                 # Ray's unix sockets live under its temp dir, whose path must stay short, so the session's logs
                 # are linked into the run directory while Ray runs and copied there when it stops.
                 self._temp = Path(tempfile.mkdtemp(prefix="flowrl-ray-"))
-                ray.init(num_cpus=self.num_cpus, include_dashboard=False, _temp_dir=str(self._temp), **options)
+                ray.init(num_cpus=self.num_cpus, resources=self.resources, include_dashboard=False,
+                         _temp_dir=str(self._temp), **options)
                 if self.log_dir is not None:
                     _replace(*_session_logs(self.log_dir, self._temp), link=True)
         except BaseException:

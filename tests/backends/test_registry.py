@@ -16,13 +16,13 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_every_backend_folder_is_registered() -> None:
     folders = {p.name for p in (ROOT / "backends").iterdir() if (p / "__init__.py").exists()}
-    assert set(backends.names()) == folders == {"local", "threads", "process", "ray"}
+    assert set(backends.names()) == folders == {"local", "threads", "process", "ray", "serverless"}
 
 
 def test_an_unknown_backend_names_the_known_ones() -> None:
     with pytest.raises(FlowError) as e:
         backends.make("gpu")
-    assert e.value.render() == "error: unknown backend 'gpu'\nhint: use one of: local, threads, process, ray"
+    assert e.value.render() == "error: unknown backend 'gpu'\nhint: use one of: local, threads, process, ray, serverless"
 
 
 @pytest.mark.parametrize("backend", ["threads", "process"])

@@ -24,8 +24,8 @@ def ray_session() -> Iterator[Any]:
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     started = not ray.is_initialized()
     if started:
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING,
-                 namespace="flowrl-tests")
+        ray.init(num_cpus=4, resources={"device_slot": 4}, include_dashboard=False, log_to_driver=False,
+                 logging_level=logging.WARNING, namespace="flowrl-tests")  # device slots: the serverless backend
     yield ray
     if started:
         ray.shutdown()
@@ -64,8 +64,8 @@ def _same_metrics(a: list[dict[str, Any]], b: list[dict[str, Any]], tol: float =
     """Every metric of every step equal within `tol`, times aside (sync times exist on one side only)."""
     assert len(a) == len(b) > 0
     for ra, rb in zip(a, b, strict=True):
-        keys = {k for k in ra if not k.startswith("time/") and k not in TIMES}
-        assert keys == {k for k in rb if not k.startswith("time/") and k not in TIMES}
+        keys = {k for k in ra if not k.startswith(("time/", "cost/")) and k not in TIMES}
+        assert keys == {k for k in rb if not k.startswith(("time/", "cost/")) and k not in TIMES}
         for k in sorted(keys):
             assert abs(float(ra[k]) - float(rb[k])) <= tol, (ra["step"], k, ra[k], rb[k])
 

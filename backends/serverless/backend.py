@@ -1,0 +1,77 @@
+"""The serverless backend (`flowrl run FLOW --backend serverless`): every worker group is an elastic pool of
+instances that hold a device slot only while they run a call (RLHFless; backends/serverless/instance.py).
+
+A "device" is the Ray custom resource `device_slot`: a local Ray instance started here gets one per CPU (or
+`slots`), a cluster declares them per node (`ray start --resources '{"device_slot": 8}'`), so the autoscaler
+adds nodes when tasks wait for slots and removes idle ones. A pool's upper size is its `placement` pool's
+`gpus` (the top of a range), else the cluster's slot count. Weight sync between groups hands over a version
+in the object store (no copy); an asynchronous run's snapshots are those versions too. `usage()` gives the
+instance tasks that ran since it was last called, for the cost report (flowrl.runtime.cost).
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from flowrl.backends.ray.cluster import Session
+from flowrl.backends.serverless.group import ServerlessGroup, Usage
+from flowrl.backends.serverless.instance import SLOT, Build
+from flowrl.errors import Diagnostic, FlowError
+from flowrl.ir.graph import Graph, Range
+from flowrl.runtime.protocol import WorkerGroup
+
+
+class ServerlessBackend:
+    name = "serverless"
+    why_not_async = ""  # each group's weights are versions in the object store
+
+    def __init__(self, address: str | None = None, log_dir: str | Path | None = None, *, slots: int | None = None):
+        self.slots = slots or os.cpu_count() or 1
+        self.session = Session(address, log_dir, resources={SLOT: float(self.slots)})
+        self.groups: dict[str, ServerlessGroup] = {}
+
+    def start(self, graph: Graph, *, seed: int, device: str) -> dict[str, WorkerGroup]:
+        self.session.open()
+        total = int(ray.cluster_resources().get(SLOT, 0))
+        if total < 1:
+            raise FlowError(Diagnostic(
+                f"the Ray cluster has no `{SLOT}` resource: serverless instances take one each",
+                hint=f"start its nodes with --resources '{{\"{SLOT}\": N}}' (N devices a node), or let flowrl "
+                     "start a local Ray instance"))
+        run = uuid.uuid4().hex[:8]
+        pools = {p.name: p for p in graph.pools}
+        for wg in graph.worker_groups:
+            decl = pools.get(wg.pool or "")
+            upper = (decl.gpus.hi if isinstance(decl.gpus, Range) else int(decl.gpus)) if decl is not None else total
+            build = Build(tuple(graph.model(m) for m in wg.models), graph.models, seed, device)
+            self.groups[wg.name] = ServerlessGroup(wg.name, wg.pool or wg.name, build, max(1, min(upper, total)), run)
+        for g in self.groups.values():
+            g.start()
+        return dict(self.groups)
+
+    def after_update(self, model: str, group: str) -> float:
+        """The other holders of `model` now want the version `group` just trained: a reference, loaded by their
+        instances when they next run (that load is timed in the cost report as `loading`)."""
+        self.load_snapshot(model, group, self.snapshot(model, group))
+        return 0.0
+
+    def snapshot(self, model: str, group: str) -> Any:
+        return self.groups[group].state[model]
+
+    def load_snapshot(self, model: str, group: str, weights: Any) -> float:
+        for name, g in self.groups.items():
+            if name != group and model in g.models:
+                g.state[model] = weights
+        return 0.0
+
+    def usage(self) -> list[Usage]:
+        return [u for g in self.groups.values() for u in g.take_usage()]
+
+    def shutdown(self) -> None:
+        self.groups = {}
+        self.session.close()

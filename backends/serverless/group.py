@@ -1,0 +1,175 @@
+"""A serverless worker group: its calls run as instance tasks (backends/serverless/instance.py), as many at once
+as the planned call has shards, each holding a device slot only while it runs.
+
+Split calls (generation, forwards) spread over up to `world` instances, the pool's upper size; an update runs
+on one instance (data-parallel training needs a process group, which tasks do not form; said in `notes`).
+Generation assigns prompts by predicted length (flowrl.elastic): the step's prompts sorted by their past
+response lengths, contiguous runs to instances, so instances holding short work finish and release their slot
+early; the rollout is put back in the prompts' order. The group's weights are versions in the object store:
+an update's new state becomes the current version; `after_update` / `load_snapshot` hand a version to the
+other groups holding the model (a reference, no copy: an instance loads it when it next needs it).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+import torch
+
+from flowrl.backends.serverless.instance import SLOT, Build, remote_serve
+from flowrl.elastic.assign import ranked_runs
+from flowrl.elastic.predict import LengthPredictor
+from flowrl.runtime import dispatch
+from flowrl.runtime.batch import Batch
+from flowrl.runtime.protocol import Future
+
+VERSIONS = itertools.count(1)  # version numbers, unique across groups (0: the weights built from the seed)
+
+
+@dataclass(frozen=True)
+class Usage:
+    """One instance task: which pool, when it held its slot (wall clock), and how that time went."""
+
+    pool: str
+    group: str
+    pid: int
+    began: float  # time.time() when the task started
+    start_s: float  # building the models (a cold start; 0 when warm)
+    load_s: float  # loading newer weights from the object store
+    run_s: float  # the method itself
+    cold: bool
+
+    @property
+    def held_s(self) -> float:
+        return self.start_s + self.load_s + self.run_s
+
+
+class ServerlessFuture:
+    def __init__(self, group: ServerlessGroup, plan: dispatch.Plan, refs: list[list[ray.ObjectRef]],
+                 order: list[int] | None):
+        self.group, self.plan, self.refs, self.order = group, plan, refs, order
+
+    def result(self) -> Any:
+        return self.group.finish(self.plan, self.refs, self.order)
+
+
+class ServerlessGroup:
+    inline = False
+    per_rank = False
+    why_not_per_rank = ("serverless instances are tasks, one call each: a fused stage's rank-by-rank streams need "
+                        "long-lived ranks (the ray backend)")
+
+    def __init__(self, name: str, pool: str, build: Build, world: int, run_id: str, *, cpus: float = 1.0):
+        self.name, self.pool, self.build, self.world = name, pool, build, world
+        self.models = tuple(m.name for m in build.models)
+        self.key = (run_id, name)
+        self.cpus = cpus
+        self.state: dict[str, tuple[int, list[Any]]] = {m: (0, []) for m in self.models}
+        self.pads: dict[str, int] = {}
+        self.usage: list[Usage] = []
+        self.lengths = LengthPredictor()  # per prompt id: what its samples' response lengths were
+        self.notes: list[str] = []
+
+    def start(self) -> None:
+        """One instance builds the models once (the pool's first cold start) and tells their pad ids."""
+        self.pads = {m: int(self.call("pad_id", m, dispatch="rank0").result()) for m in self.models}
+
+    # ---- the WorkerGroup protocol --------------------------------------------------------------------
+    def call(self, method: str, *args: Any, dispatch: str = "split", **kwargs: Any) -> Future:
+        world = 1 if method in dispatch_updates() else self.world
+        order = None
+        if method == "generate" and world > 1 and args and isinstance(args[1], Batch):
+            args, order = self._ranked(args)
+        plan = _plan(method, args, kwargs, dispatch, world)
+        new = next(VERSIONS) if method in dispatch_updates() else 0
+        wanted = {m: self.state[m] for m in self.models}
+        refs: list[list[ray.ObjectRef]] = [
+            list(remote_serve.options(num_cpus=self.cpus, resources={SLOT: 1}, num_returns=3).remote(  # type: ignore[call-overload]
+                self.key, self.build, wanted, method, c.args, c.kwargs, new)) for c in plan.calls]
+        if method in dispatch_updates():
+            trained = [args[0]] if isinstance(args[0], str) else list(args[0])
+            for m in trained:  # the new version is the update's third result, kept in the object store
+                self.state[m] = (new, [_pick(refs[0][2], m)])
+        return ServerlessFuture(self, plan, refs, order)
+
+    def finish(self, plan: dispatch.Plan, refs: list[list[ray.ObjectRef]], order: list[int] | None) -> Any:
+        results = ray.get([r[0] for r in refs])
+        for stats in ray.get([r[1] for r in refs]):
+            self.usage.append(Usage(self.pool, self.name, int(stats["pid"]), float(stats["began"]),
+                                    float(stats["start_s"]), float(stats["load_s"]), float(stats["run_s"]),
+                                    bool(stats["cold"])))
+        model = plan.calls[0].args[0] if plan.calls[0].args else None
+        merged = dispatch.merge(plan, results, self.pads.get(model, 0) if isinstance(model, str) else 0)
+        if plan.method == "generate" and isinstance(merged, Batch):
+            merged = self._learn_and_restore(merged, order)
+        return merged
+
+    def on_rank(self, rank: int, method: str, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError(self.why_not_per_rank)
+
+    def colocated(self, models: Sequence[str]) -> bool:
+        return all(m in self.models for m in models)  # an instance builds all of its group's models
+
+    def recover(self) -> None:
+        pass  # nothing long-lived to bring back: the next task starts on any process
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(self.call("state_dict", dispatch="rank0").result())
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        for m, s in state.items():
+            if m in self.state:
+                self.state[m] = (next(VERSIONS), [ray.put(s)])
+
+    # ---- length-ranked assignment ----------------------------------------------------------------------
+    def _ranked(self, args: tuple[Any, ...]) -> tuple[tuple[Any, ...], list[int]]:
+        """The prompts reordered by predicted response length (longest first), so each instance's contiguous
+        shard holds prompts of similar length; `order[i]` is the original position of the i-th prompt."""
+        prompts: Batch = args[1]
+        ids = [int(i) for i in prompts.meta.get("prompt_id", range(prompts.size))]
+        predicted = self.lengths.predict(ids, fallback=0.0)
+        runs = ranked_runs(predicted, self.world)
+        order = [i for run in runs for i in run]
+        return (args[0], prompts.select(order), *args[2:]), order
+
+    def _learn_and_restore(self, rollout: Batch, order: list[int] | None) -> Batch:
+        """The rollout in the prompts' own order (each sample's group id names its prompt there again), and the
+        predictor taught this step's lengths."""
+        if order is not None and "group_id" in rollout.tensors:
+            original = torch.tensor(order)[rollout["group_id"].long()]
+            rows = sorted(range(rollout.size), key=lambda i: (int(original[i]), i))
+            rollout = rollout.select(rows)
+            rollout.tensors["group_id"] = original[torch.tensor(rows)]
+        ids = rollout.meta.get("prompt_id")
+        if ids is not None:
+            lengths = rollout["response_mask"].sum(1).tolist()
+            self.lengths.observe([int(i) for i in ids], [float(x) for x in lengths])
+        return rollout
+
+    def take_usage(self) -> list[Usage]:
+        out, self.usage = self.usage, []
+        return out
+
+
+def dispatch_updates() -> frozenset[str]:
+    return dispatch.UPDATES
+
+
+def _plan(method: str, args: Sequence[Any], kwargs: Mapping[str, Any], mode: str, world: int) -> dispatch.Plan:
+    return dispatch.plan(method, args, kwargs, mode, world)
+
+
+@ray.remote
+def _select(state: Mapping[str, Any] | None, model: str) -> Any:
+    if state is None:
+        raise RuntimeError(f"the update returned no state for {model}")
+    return state[model]
+
+
+def _pick(ref: ray.ObjectRef, model: str) -> ray.ObjectRef:
+    """One model's entry of an update's returned state, as its own object (resolved in the store, not here)."""
+    return _select.options(num_cpus=0).remote(ref, model)

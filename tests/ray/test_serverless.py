@@ -1,0 +1,114 @@
+"""The serverless backend (backends/serverless): the process backend's numbers with one instance per pool, pools
+that hold no device slot between calls, the cost report from its instance tasks, asynchronous runs, and the
+length-ranked assignment of prompts to instances."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import flowrl
+from flowrl.backends.serverless.group import ServerlessGroup
+from flowrl.backends.serverless.instance import Build
+from flowrl.ir.graph import Graph
+from flowrl.runtime.batch import Batch
+
+pytestmark = [pytest.mark.ray, pytest.mark.usefixtures("ray_session")]
+
+FLOW = """
+model actor : policy {{ source = "tiny:gpt2", layers = 1, dim = 32, heads = 2, charset = "0123456789+=", lr = 3e-3 }}
+model ref : reference {{ source = actor }}
+reward digits = "digits.reward"
+data prompts = jsonl("data.jsonl") {{ batch = 4 }}
+use grpo(reward = digits, group = 4, max_tokens = 3, kl_coef = 0.01)
+placement {{
+    pool gen   {{ gpus = {gen}, elastic = true }}
+    pool train {{ gpus = 1, elastic = true }}
+    actor.generate -> gen
+    actor.update, ref -> train
+}}
+run {{ steps = 4, seed = 5, max_staleness = {k} }}
+"""
+
+
+def write(tmp: Path, k: int = 0, gen: str = "1") -> Graph:
+    (tmp / "digits.py").write_text("def reward(prompt, response, **_):\n"
+                                   "    return float(sum(c.isdigit() for c in response))\n")
+    rows = [{"prompt": f"{a}+{b}=", "answer": a + b} for a in range(4) for b in range(4)]
+    (tmp / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp / "f.flow").write_text(FLOW.format(k=k, gen=gen))
+    return flowrl.load(str(tmp / "f.flow"))
+
+
+def numbers(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{k: v for k, v in r.items() if not k.startswith(("time/", "cost/", "async/"))
+             and k not in ("step_time_s", "tokens_per_s")} for r in rows]
+
+
+@pytest.mark.parametrize("k", [0, 1], ids=["synchronous", "asynchronous"])
+def test_one_instance_per_pool_gives_the_process_backends_numbers(tmp_path: Path, k: int, ray_session: Any) -> None:
+    """Weights move between the pools as versions in the object store; the numbers are the process backend's,
+    so every instance ran with the weights the schedule names. Between calls no pool holds a slot."""
+    graph = write(tmp_path, k=k)
+    free: list[float] = []
+
+    def between_steps(step: int, row: dict[str, Any]) -> None:
+        # Synchronously nothing runs between steps, so every slot comes back (Ray frees a finished task's
+        # resources shortly after its result: wait for that, up to a deadline no healthy run comes near).
+        deadline = time.monotonic() + 30.0
+        while ray_session.available_resources().get("device_slot", 0) < 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        free.append(ray_session.available_resources().get("device_slot", 0))
+
+    served = flowrl.run(graph, out_dir=tmp_path / "serverless", backend="serverless",
+                        on_step=between_steps if k == 0 else None)
+    fixed = flowrl.run(graph, out_dir=tmp_path / "process", backend="process")
+    _same(numbers(served.metrics), numbers(fixed.metrics))
+    if k == 0:
+        assert free == [4.0] * 4  # after every step all four slots are free: no pool holds one without work
+
+
+def _same(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> None:
+    assert len(a) == len(b)
+    for x, y in zip(a, b, strict=True):
+        assert x.keys() == y.keys()
+        for key in x:
+            assert x[key] == pytest.approx(y[key], rel=1e-4, abs=1e-4), key
+
+
+def test_the_cost_report_is_the_instance_tasks(tmp_path: Path) -> None:
+    res = flowrl.run(write(tmp_path, gen="2"), out_dir=tmp_path / "out", backend="serverless")
+    events = [e for e in json.loads((tmp_path / "out" / "trace.json").read_text())["traceEvents"]
+              if e.get("ph") == "X" and e["cat"] == "held"]
+    for row in res.metrics:
+        parts = row["cost/busy_s"] + row["cost/starting_s"] + row["cost/loading_s"] + row["cost/idle_s"]
+        assert row["cost/held_s"] == pytest.approx(parts)
+        assert row["cost/held_s"] == pytest.approx(row["cost/gen/held_s"] + row["cost/train/held_s"])
+        spans = [e for e in events if e["args"]["step"] == row["step"]]  # one span per instance task
+        assert sum(e["dur"] for e in spans) / 1e6 == pytest.approx(row["cost/held_s"], abs=1e-4)
+        assert row["cost/cold_starts"] + row["cost/warm_starts"] == len(spans)
+    assert sum(r["cost/cold_starts"] for r in res.metrics) >= 2  # each pool built its models at least once
+    assert sum(r["cost/warm_starts"] for r in res.metrics) > 0  # and reused them
+    assert {e["tid"] for e in events} and res.cost["held_s"] == pytest.approx(sum(r["cost/held_s"] for r in res.metrics))
+
+
+def test_generation_is_assigned_by_predicted_length() -> None:
+    """Prompts sorted by their past response lengths go to instances in contiguous runs (short first), and the
+    rollout comes back in the prompts' own order, each sample's group id naming its prompt."""
+    group = ServerlessGroup("gen", "gen", Build((), (), 0, "cpu"), world=2, run_id="t")
+    group.lengths.observe([10, 11, 12, 13], [40.0, 2.0, 30.0, 1.0])
+    prompts = Batch(4, {}, {"prompt": ["a", "b", "c", "d"], "prompt_id": [10, 11, 12, 13]})
+    args, order = group._ranked(("actor", prompts, {}))
+    assert order == [3, 1, 2, 0] and args[1].meta["prompt_id"] == [13, 11, 12, 10]
+    # what the instances return, merged: 2 samples a prompt, group ids in the shuffled order
+    gids = torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
+    rollout = Batch(8, {"group_id": gids, "response_mask": torch.ones(8, 2)},
+                    {"prompt_id": [13, 13, 11, 11, 12, 12, 10, 10]})
+    back = group._learn_and_restore(rollout, order)
+    assert back.meta["prompt_id"] == [10, 10, 11, 11, 12, 12, 13, 13]
+    assert back["group_id"].tolist() == [0, 0, 1, 1, 2, 2, 3, 3]
