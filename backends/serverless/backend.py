@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import uuid
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -30,8 +31,12 @@ class ServerlessBackend:
     name = "serverless"
     why_not_async = ""  # each group's weights are versions in the object store
 
-    def __init__(self, address: str | None = None, log_dir: str | Path | None = None, *, slots: int | None = None):
+    def __init__(self, address: str | None = None, log_dir: str | Path | None = None, *, slots: int | None = None,
+                 crash_on_call: Mapping[str, tuple[str, int, str]] | None = None):
+        """`crash_on_call` (tests only): group -> (method, n, marker file): that group's n-th `method` call loses
+        its first instance mid-call (see instance.serve)."""
         self.slots = slots or os.cpu_count() or 1
+        self.crash_on_call = dict(crash_on_call or {})
         self.session = Session(address, log_dir, resources={SLOT: float(self.slots)})
         self.groups: dict[str, ServerlessGroup] = {}
 
@@ -49,7 +54,8 @@ class ServerlessBackend:
             decl = pools.get(wg.pool or "")
             upper = (decl.gpus.hi if isinstance(decl.gpus, Range) else int(decl.gpus)) if decl is not None else total
             build = Build(tuple(graph.model(m) for m in wg.models), graph.models, seed, device)
-            self.groups[wg.name] = ServerlessGroup(wg.name, wg.pool or wg.name, build, max(1, min(upper, total)), run)
+            self.groups[wg.name] = ServerlessGroup(wg.name, wg.pool or wg.name, build, max(1, min(upper, total)), run,
+                                                   crash_on_call=self.crash_on_call.get(wg.name))
         for g in self.groups.values():
             g.start()
         return dict(self.groups)

@@ -63,7 +63,8 @@ class ServerlessGroup:
     why_not_per_rank = ("serverless instances are tasks, one call each: a fused stage's rank-by-rank streams need "
                         "long-lived ranks (the ray backend)")
 
-    def __init__(self, name: str, pool: str, build: Build, world: int, run_id: str, *, cpus: float = 1.0):
+    def __init__(self, name: str, pool: str, build: Build, world: int, run_id: str, *, cpus: float = 1.0,
+                 crash_on_call: tuple[str, int, str] | None = None):
         self.name, self.pool, self.build, self.world = name, pool, build, world
         self.models = tuple(m.name for m in build.models)
         self.key = (run_id, name)
@@ -72,7 +73,8 @@ class ServerlessGroup:
         self.pads: dict[str, int] = {}
         self.usage: list[Usage] = []
         self.lengths = LengthPredictor()  # per prompt id: what its samples' response lengths were
-        self.notes: list[str] = []
+        self.crash_on_call = crash_on_call  # tests: (method, n, marker file): its n-th call loses an instance
+        self.calls: dict[str, int] = {}
 
     def start(self) -> None:
         """One instance builds the models once (the pool's first cold start) and tells their pad ids."""
@@ -87,9 +89,13 @@ class ServerlessGroup:
         plan = _plan(method, args, kwargs, dispatch, world)
         new = next(VERSIONS) if method in dispatch_updates() else 0
         wanted = {m: self.state[m] for m in self.models}
+        self.calls[method] = self.calls.get(method, 0) + 1
+        crash = self.crash_on_call
+        marker = crash[2] if crash is not None and (crash[0], crash[1]) == (method, self.calls[method]) else None
         refs: list[list[ray.ObjectRef]] = [
-            list(remote_serve.options(num_cpus=self.cpus, resources={SLOT: 1}, num_returns=3).remote(  # type: ignore[call-overload]
-                self.key, self.build, wanted, method, c.args, c.kwargs, new)) for c in plan.calls]
+            list(remote_serve.options(num_cpus=self.cpus, resources={SLOT: 1}, num_returns=3).remote(
+                self.key, self.build, wanted, method, c.args, c.kwargs, new, marker if c.rank == 0 else None))
+            for c in plan.calls]
         if method in dispatch_updates():
             trained = [args[0]] if isinstance(args[0], str) else list(args[0])
             for m in trained:  # the new version is the update's third result, kept in the object store

@@ -6,7 +6,9 @@ holds. A task names the versions it needs (`wanted`: model -> (version, [object 
 every instance builds from the seed)); a process already holding them starts at once (a warm start), one that
 holds older weights loads them from the object store first, and a new process builds its models first (a cold
 start). The state of a pool lives in the object store between tasks, so any process can serve any call, and a
-pool with no work holds no slot (scale to zero). An update returns its models' new state as a third result,
+pool with no work holds no slot (scale to zero). An instance lost mid-call is replaced by Ray's task retry: the
+call runs again on another process (a cold start in the cost report) with the same versions and seeds, so it
+returns what the lost one would have. An update returns its models' new state as a third result,
 which stays in the object store (`num_returns=3`): the driver keeps only its reference.
 """
 
@@ -47,8 +49,12 @@ _CACHE: dict[tuple[str, str], _Entry] = {}
 
 
 def serve(key: tuple[str, str], build: Build, wanted: Mapping[str, tuple[int, Sequence[Any]]], method: str,
-          args: tuple[Any, ...], kwargs: dict[str, Any], new_version: int) -> tuple[Any, dict[str, Any], Any]:
-    """Run `ModelWorker.<method>` with the weights `wanted` names -> (result, stats, new state or None)."""
+          args: tuple[Any, ...], kwargs: dict[str, Any], new_version: int,
+          crash: str | None = None) -> tuple[Any, dict[str, Any], Any]:
+    """Run `ModelWorker.<method>` with the weights `wanted` names -> (result, stats, new state or None).
+
+    `crash` (tests only): a file path; the first attempt that finds no file there creates it and kills this
+    process before running the method, as a machine lost mid-call would (Ray re-runs the task elsewhere)."""
     began = time.perf_counter()
     entry = _CACHE.get(key)
     cold = entry is None
@@ -65,6 +71,10 @@ def serve(key: tuple[str, str], build: Build, wanted: Mapping[str, tuple[int, Se
             entry.worker.load_state_dict({model: ray.get(holder[0])})
             entry.versions[model] = version
     ready = time.perf_counter()
+    if crash is not None and not os.path.exists(crash):
+        with open(crash, "w") as marker:
+            marker.write(str(os.getpid()))
+        os._exit(1)
     result = getattr(entry.worker, method)(*args, **kwargs)
     done = time.perf_counter()
     state = None
@@ -79,4 +89,7 @@ def serve(key: tuple[str, str], build: Build, wanted: Mapping[str, tuple[int, Se
     return result, stats, state
 
 
-remote_serve = ray.remote(max_calls=0)(serve)
+# max_calls=0: the process stays for the next task (warm); max_retries: a task whose process died (a lost
+# instance) runs again on another one, from the same versions and seeds, so the step ends as it would have.
+MAX_RETRIES = 3
+remote_serve = ray.remote(max_calls=0, max_retries=MAX_RETRIES, retry_exceptions=False)(serve)

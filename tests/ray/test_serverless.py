@@ -112,3 +112,18 @@ def test_generation_is_assigned_by_predicted_length() -> None:
     back = group._learn_and_restore(rollout, order)
     assert back.meta["prompt_id"] == [10, 10, 11, 11, 12, 12, 13, 13]
     assert back["group_id"].tolist() == [0, 0, 1, 1, 2, 2, 3, 3]
+
+
+def test_an_instance_lost_mid_generation_is_replaced_and_the_step_ends_the_same(tmp_path: Path) -> None:
+    """The gen pool's 2nd generate call loses its instance's process before it runs: Ray runs the task again on
+    another process with the same versions and seeds, and the run's numbers are those of a run that lost
+    nothing. (The lost attempt's device time is not in the cost report yet: Ray retries it unseen.)"""
+    from flowrl.backends.serverless import ServerlessBackend
+
+    graph = write(tmp_path)
+    marker = tmp_path / "crashed"
+    lost = flowrl.run(graph, out_dir=tmp_path / "lost", backend=ServerlessBackend(
+        crash_on_call={"gen": ("generate", 2, str(marker))}))
+    assert marker.exists()  # the instance really died (its process wrote its pid, then exited)
+    whole = flowrl.run(graph, out_dir=tmp_path / "whole", backend="serverless")
+    _same(numbers(lost.metrics), numbers(whole.metrics))
