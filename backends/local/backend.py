@@ -50,6 +50,9 @@ class LocalBackend:
         raise FlowError(Diagnostic(f"the {self.name} backend cannot keep two versions of {model}",
                                    hint=self.why_not_async))
 
+    def metrics(self) -> dict[str, float]:
+        return {}
+
     def usage(self) -> None:
         return None  # fixed pools: every device held from start to shutdown
 

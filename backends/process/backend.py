@@ -57,6 +57,9 @@ class ProcessBackend:
                 g.load_weights(model, weights)
         return time.perf_counter() - began
 
+    def metrics(self) -> dict[str, float]:
+        return {}
+
     def usage(self) -> None:
         return None  # fixed pools: every device held from start to shutdown
 

@@ -98,6 +98,9 @@ class RayBackend:
             f.result()
         return time.perf_counter() - began
 
+    def metrics(self) -> dict[str, float]:
+        return {}
+
     def usage(self) -> None:
         return None  # fixed pools: every device held from start to shutdown
 

@@ -55,7 +55,8 @@ class ServerlessBackend:
             upper = (decl.gpus.hi if isinstance(decl.gpus, Range) else int(decl.gpus)) if decl is not None else total
             build = Build(tuple(graph.model(m) for m in wg.models), graph.models, seed, device)
             self.groups[wg.name] = ServerlessGroup(wg.name, wg.pool or wg.name, build, max(1, min(upper, total)), run,
-                                                   crash_on_call=self.crash_on_call.get(wg.name))
+                                                   crash_on_call=self.crash_on_call.get(wg.name),
+                                                   cost_weight=float(str(graph.run.get("cost_weight", 0.5))))
         for g in self.groups.values():
             g.start()
         return dict(self.groups)
@@ -77,6 +78,10 @@ class ServerlessBackend:
 
     def usage(self) -> list[Usage]:
         return [u for g in self.groups.values() for u in g.take_usage()]
+
+    def metrics(self) -> dict[str, float]:
+        """Each pool's scaling decisions since the last call (`scale/GROUP/...`)."""
+        return {k: v for g in self.groups.values() for k, v in g.take_metrics().items()}
 
     def shutdown(self) -> None:
         self.groups = {}

@@ -13,6 +13,7 @@ other groups holding the model (a reference, no copy: an instance loads it when 
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +24,7 @@ import torch
 from flowrl.backends.serverless.instance import SLOT, Build, remote_serve
 from flowrl.elastic.assign import ranked_runs
 from flowrl.elastic.predict import LengthPredictor
+from flowrl.elastic.scale import DecodeCurve, ScaleChoice, choose_instances
 from flowrl.runtime import dispatch
 from flowrl.runtime.batch import Batch
 from flowrl.runtime.protocol import Future
@@ -50,11 +52,12 @@ class Usage:
 
 class ServerlessFuture:
     def __init__(self, group: ServerlessGroup, plan: dispatch.Plan, refs: list[list[ray.ObjectRef]],
-                 order: list[int] | None):
-        self.group, self.plan, self.refs, self.order = group, plan, refs, order
+                 order: list[int] | None, choice: ScaleChoice | None = None):
+        self.group, self.plan, self.refs, self.order, self.choice = group, plan, refs, order, choice
+        self.sent = time.perf_counter()
 
     def result(self) -> Any:
-        return self.group.finish(self.plan, self.refs, self.order)
+        return self.group.finish(self.plan, self.refs, self.order, self.choice, self.sent)
 
 
 class ServerlessGroup:
@@ -64,7 +67,7 @@ class ServerlessGroup:
                         "long-lived ranks (the ray backend)")
 
     def __init__(self, name: str, pool: str, build: Build, world: int, run_id: str, *, cpus: float = 1.0,
-                 crash_on_call: tuple[str, int, str] | None = None):
+                 crash_on_call: tuple[str, int, str] | None = None, cost_weight: float = 0.5):
         self.name, self.pool, self.build, self.world = name, pool, build, world
         self.models = tuple(m.name for m in build.models)
         self.key = (run_id, name)
@@ -75,6 +78,10 @@ class ServerlessGroup:
         self.lengths = LengthPredictor()  # per prompt id: what its samples' response lengths were
         self.crash_on_call = crash_on_call  # tests: (method, n, marker file): its n-th call loses an instance
         self.calls: dict[str, int] = {}
+        self.cost_weight = cost_weight  # run { cost_weight }: 1 buys the fastest generation, 0 the fewest device-s
+        self.decode: dict[int, float] = {}  # measured seconds per decode step, by the samples an instance decodes
+        self.overhead_s = 0.0  # a generation task's time beyond decoding (starting, loading, returning)
+        self.metrics: dict[str, float] = {}  # the scaling decisions since last taken
 
     def start(self) -> None:
         """One instance builds the models once (the pool's first cold start) and tells their pad ids."""
@@ -83,9 +90,11 @@ class ServerlessGroup:
     # ---- the WorkerGroup protocol --------------------------------------------------------------------
     def call(self, method: str, *args: Any, dispatch: str = "split", **kwargs: Any) -> Future:
         world = 1 if method in dispatch_updates() else self.world
-        order = None
+        order, choice = None, None
         if method == "generate" and world > 1 and args and isinstance(args[1], Batch):
-            args, order = self._ranked(args)
+            choice = self._scale(args[1], args[2] if len(args) > 2 else {})
+            world = choice.chosen.instances if choice is not None else world
+            args, order = self._ranked(args, world)
         plan = _plan(method, args, kwargs, dispatch, world)
         new = next(VERSIONS) if method in dispatch_updates() else 0
         wanted = {m: self.state[m] for m in self.models}
@@ -100,14 +109,16 @@ class ServerlessGroup:
             trained = [args[0]] if isinstance(args[0], str) else list(args[0])
             for m in trained:  # the new version is the update's third result, kept in the object store
                 self.state[m] = (new, [_pick(refs[0][2], m)])
-        return ServerlessFuture(self, plan, refs, order)
+        return ServerlessFuture(self, plan, refs, order, choice)
 
-    def finish(self, plan: dispatch.Plan, refs: list[list[ray.ObjectRef]], order: list[int] | None) -> Any:
+    def finish(self, plan: dispatch.Plan, refs: list[list[ray.ObjectRef]], order: list[int] | None,
+               choice: ScaleChoice | None = None, sent: float = 0.0) -> Any:
         results = ray.get([r[0] for r in refs])
-        for stats in ray.get([r[1] for r in refs]):
-            self.usage.append(Usage(self.pool, self.name, int(stats["pid"]), float(stats["began"]),
-                                    float(stats["start_s"]), float(stats["load_s"]), float(stats["run_s"]),
-                                    bool(stats["cold"])))
+        used = [Usage(self.pool, self.name, int(st["pid"]), float(st["began"]), float(st["start_s"]),
+                      float(st["load_s"]), float(st["run_s"]), bool(st["cold"])) for st in ray.get([r[1] for r in refs])]
+        self.usage.extend(used)
+        if plan.method == "generate":
+            self._measure(results, used, choice, time.perf_counter() - sent)
         model = plan.calls[0].args[0] if plan.calls[0].args else None
         merged = dispatch.merge(plan, results, self.pads.get(model, 0) if isinstance(model, str) else 0)
         if plan.method == "generate" and isinstance(merged, Batch):
@@ -131,14 +142,53 @@ class ServerlessGroup:
             if m in self.state:
                 self.state[m] = (next(VERSIONS), [ray.put(s)])
 
+    # ---- cost-aware instance count ---------------------------------------------------------------------
+    def _scale(self, prompts: Batch, attrs: Mapping[str, Any]) -> ScaleChoice | None:
+        """How many instances generate this step: flowrl.elastic's argmin of cost_weight * T(N) / T_ref +
+        (1 - cost_weight) * C(N) / C_ref over N = 1..world, from the prompts' predicted lengths and this run's
+        measured seconds per decode step. None (all `world`) until a first generation was measured."""
+        if not self.decode:
+            return None
+        ids = [int(i) for i in prompts.meta.get("prompt_id", range(prompts.size))]
+        predicted = self.lengths.predict(ids, fallback=0.0)
+        samples = int(str(attrs.get("n", 1))) if isinstance(attrs, Mapping) else 1
+        return choose_instances(predicted, samples, range(1, self.world + 1), DecodeCurve(self.decode),
+                                self.cost_weight, start_s=self.overhead_s)
+
+    def _measure(self, results: Sequence[Any], used: Sequence[Usage], choice: ScaleChoice | None,
+                 wall_s: float) -> None:
+        """Learn seconds per decode step (by the samples an instance decoded) and the tasks' overhead from this
+        generation; log the choice and its predicted vs measured time and device-seconds."""
+        for out, u in zip(results, used, strict=True):
+            if isinstance(out, Batch) and out.size and "response_mask" in out.tensors:
+                steps = max(1, int(out["response_mask"].sum(1).max()))
+                per_step = u.run_s / steps
+                old = self.decode.get(out.size)
+                self.decode[out.size] = per_step if old is None else 0.5 * old + 0.5 * per_step
+        self.overhead_s = sum(u.held_s - u.run_s for u in used if not u.cold) / max(1, sum(not u.cold for u in used))
+        g = f"scale/{self.name}/"
+        self.metrics[g + "instances"] = float(len(used))
+        self.metrics[g + "measured_T_s"] = wall_s
+        self.metrics[g + "measured_C_s"] = sum(u.held_s for u in used)
+        if choice is not None:
+            self.metrics[g + "predicted_T_s"] = choice.chosen.time_s
+            self.metrics[g + "predicted_C_s"] = choice.chosen.device_s
+            for c in choice.candidates:
+                self.metrics[f"{g}T_s@{c.instances}"] = c.time_s
+                self.metrics[f"{g}C_s@{c.instances}"] = c.device_s
+
+    def take_metrics(self) -> dict[str, float]:
+        out, self.metrics = self.metrics, {}
+        return out
+
     # ---- length-ranked assignment ----------------------------------------------------------------------
-    def _ranked(self, args: tuple[Any, ...]) -> tuple[tuple[Any, ...], list[int]]:
-        """The prompts reordered by predicted response length (longest first), so each instance's contiguous
+    def _ranked(self, args: tuple[Any, ...], instances: int) -> tuple[tuple[Any, ...], list[int]]:
+        """The prompts reordered by predicted response length (shortest first), so each instance's contiguous
         shard holds prompts of similar length; `order[i]` is the original position of the i-th prompt."""
         prompts: Batch = args[1]
         ids = [int(i) for i in prompts.meta.get("prompt_id", range(prompts.size))]
         predicted = self.lengths.predict(ids, fallback=0.0)
-        runs = ranked_runs(predicted, self.world)
+        runs = ranked_runs(predicted, instances)
         order = [i for run in runs for i in run]
         return (args[0], prompts.select(order), *args[2:]), order
 

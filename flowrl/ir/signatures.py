@@ -216,4 +216,5 @@ RUN_KEYS: dict[str, tuple[str, Value]] = {
     "device": ("str", "auto"),  # auto | cpu | cuda
     "log_every": ("int", 10),  # steps between progress lines when stderr is not a terminal
     "max_staleness": ("int", 0),  # 0: synchronous; K >= 1: generation runs ahead, samples at most K updates old
+    "cost_weight": ("float", 0.5),  # serverless: 1 buys the fastest generation, 0 the fewest device-seconds
 }

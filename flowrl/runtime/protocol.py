@@ -85,6 +85,11 @@ class Backend(Protocol):
 
     def load_snapshot(self, model: str, group: str, weights: Any) -> float: ...
 
+    def metrics(self) -> dict[str, float]:
+        """The backend's own figures since the last call, for the step's metrics (an elastic backend's scaling
+        decisions); {} for the others."""
+        ...
+
     def usage(self) -> Sequence[Any] | None:
         """The instance tasks an elastic backend ran since the last call (each with `pool`, `began` (wall clock),
         `held_s`, `start_s`, `load_s`, `run_s`, `cold`), for the cost report; None for a backend whose pools

@@ -131,6 +131,7 @@ def run(graph: Graph, *, out_dir: str | Path, backend: Backend, steps: int | Non
             res = ahead.step(step) if ahead is not None else ctl.step(step)
             row: dict[str, Any] = {"step": step, **res.metrics, "step_time_s": time.perf_counter() - began}
             row["tokens_per_s"] = row.get("gen_tokens", 0.0) / max(row["step_time_s"], 1e-9)
+            row.update(be.metrics())
             used = be.usage()
             row.update(meter.step(res.spans, time.perf_counter(), used))
             res.spans.extend(cost.instance_spans(used or [], step, wall0 + t0))

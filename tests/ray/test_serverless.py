@@ -46,7 +46,7 @@ def write(tmp: Path, k: int = 0, gen: str = "1") -> Graph:
 
 
 def numbers(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [{k: v for k, v in r.items() if not k.startswith(("time/", "cost/", "async/"))
+    return [{k: v for k, v in r.items() if not k.startswith(("time/", "cost/", "async/", "scale/"))
              and k not in ("step_time_s", "tokens_per_s")} for r in rows]
 
 
@@ -103,7 +103,7 @@ def test_generation_is_assigned_by_predicted_length() -> None:
     group = ServerlessGroup("gen", "gen", Build((), (), 0, "cpu"), world=2, run_id="t")
     group.lengths.observe([10, 11, 12, 13], [40.0, 2.0, 30.0, 1.0])
     prompts = Batch(4, {}, {"prompt": ["a", "b", "c", "d"], "prompt_id": [10, 11, 12, 13]})
-    args, order = group._ranked(("actor", prompts, {}))
+    args, order = group._ranked(("actor", prompts, {}), 2)
     assert order == [3, 1, 2, 0] and args[1].meta["prompt_id"] == [13, 11, 12, 10]
     # what the instances return, merged: 2 samples a prompt, group ids in the shuffled order
     gids = torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
@@ -127,3 +127,19 @@ def test_an_instance_lost_mid_generation_is_replaced_and_the_step_ends_the_same(
     assert marker.exists()  # the instance really died (its process wrote its pid, then exited)
     whole = flowrl.run(graph, out_dir=tmp_path / "whole", backend="serverless")
     _same(numbers(lost.metrics), numbers(whole.metrics))
+
+
+def test_each_step_chooses_how_many_instances_generate(tmp_path: Path) -> None:
+    """Pool gen has 1..3 instances: the first generation uses all 3 (nothing measured yet); later ones take the
+    argmin of the cost-weighted score over the logged candidates, and log predicted and measured T and C."""
+    res = flowrl.run(write(tmp_path, gen="1..3"), out_dir=tmp_path / "out", backend="serverless")
+    first, *later = res.metrics
+    assert first["scale/gen/instances"] == 3 and "scale/gen/predicted_T_s" not in first
+    for row in later:
+        cands = {n: (row[f"scale/gen/T_s@{n}"], row[f"scale/gen/C_s@{n}"]) for n in (1, 2, 3)}
+        t_ref, c_ref = min(t for t, _ in cands.values()), min(c for _, c in cands.values())
+        score = {n: 0.5 * t / t_ref + 0.5 * c / c_ref for n, (t, c) in cands.items()}
+        best = min(score, key=lambda n: (score[n], n))
+        assert row["scale/gen/instances"] == best
+        assert (row["scale/gen/predicted_T_s"], row["scale/gen/predicted_C_s"]) == cands[best]
+        assert row["scale/gen/measured_T_s"] > 0 and row["scale/gen/measured_C_s"] > 0
