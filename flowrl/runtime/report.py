@@ -41,11 +41,16 @@ def trace_events(spans: Iterable[Span], groups: Sequence[str],
     events += [{"ph": "M", "name": "thread_name", "pid": TRACE_PID, "tid": t, "args": {"name": g}}
                for g, t in tids.items()]
     events += list(prior)
+    for e in prior:  # tracks a resumed run's earlier steps had (an elastic pool's instances)
+        tids.setdefault(str(e.get("args", {}).get("group")), int(e["tid"]))
     for s in spans:
         tid = tids.setdefault(s.group, len(tids) + 1)
         events.append({"name": s.node, "cat": s.op, "ph": "X", "pid": TRACE_PID, "tid": tid,
                        "ts": round(s.start * 1e6, 1), "dur": round(s.dur * 1e6, 1),
                        "args": {"step": s.step, "group": s.group}})
+    named = {g for g in groups}
+    events[1:1] = [{"ph": "M", "name": "thread_name", "pid": TRACE_PID, "tid": t, "args": {"name": g}}
+                   for g, t in tids.items() if g not in named]  # tracks found in the spans (instances)
     return events
 
 

@@ -94,7 +94,10 @@ def test_the_cost_report_is_the_instance_tasks(tmp_path: Path) -> None:
         assert row["cost/cold_starts"] + row["cost/warm_starts"] == len(spans)
     assert sum(r["cost/cold_starts"] for r in res.metrics) >= 2  # each pool built its models at least once
     assert sum(r["cost/warm_starts"] for r in res.metrics) > 0  # and reused them
-    assert {e["tid"] for e in events} and res.cost["held_s"] == pytest.approx(sum(r["cost/held_s"] for r in res.metrics))
+    assert res.cost["held_s"] == pytest.approx(sum(r["cost/held_s"] for r in res.metrics))
+    tracks = {e["tid"]: e["args"]["name"] for e in json.loads((tmp_path / "out" / "trace.json").read_text())[
+        "traceEvents"] if e.get("ph") == "M" and e["name"] == "thread_name"}
+    assert {tracks[e["tid"]] for e in events} == {"gen instances", "train instances"}  # flowrl timeline's rows
 
 
 def test_generation_is_assigned_by_predicted_length() -> None:
