@@ -4,7 +4,8 @@ instances that hold a device slot only while they run a call (RLHFless; backends
 A "device" is the Ray custom resource `device_slot`: a local Ray instance started here gets one per CPU (or
 `slots`), a cluster declares them per node (`ray start --resources '{"device_slot": 8}'`), so the autoscaler
 adds nodes when tasks wait for slots and removes idle ones. A pool's upper size is its `placement` pool's
-`gpus` (the top of a range), else the cluster's slot count. Weight sync between groups hands over a version
+`gpus` (the top of a range), else the cluster's slot count; without `placement`, a group's calls count in one
+elastic pool per stage kind (generation, inference, training) in the cost report. Weight sync between groups hands over a version
 in the object store (no copy); an asynchronous run's snapshots are those versions too. `usage()` gives the
 instance tasks that ran since it was last called, for the cost report (flowrl.runtime.cost).
 """
@@ -54,7 +55,7 @@ class ServerlessBackend:
             decl = pools.get(wg.pool or "")
             upper = (decl.gpus.hi if isinstance(decl.gpus, Range) else int(decl.gpus)) if decl is not None else total
             build = Build(tuple(graph.model(m) for m in wg.models), graph.models, seed, device)
-            self.groups[wg.name] = ServerlessGroup(wg.name, wg.pool or wg.name, build, max(1, min(upper, total)), run,
+            self.groups[wg.name] = ServerlessGroup(wg.name, wg.pool, build, max(1, min(upper, total)), run,
                                                    crash_on_call=self.crash_on_call.get(wg.name),
                                                    cost_weight=float(str(graph.run.get("cost_weight", 0.5))))
         for g in self.groups.values():

@@ -29,6 +29,9 @@ from flowrl.runtime import dispatch
 from flowrl.runtime.batch import Batch
 from flowrl.runtime.protocol import Future
 
+# Without `placement`, a group's calls count in one elastic pool per stage kind.
+STAGE_KINDS = {"generate": "generation", "logprobs": "inference", "values": "inference", "score": "inference",
+               "update": "training", "update_fused": "training"}
 VERSIONS = itertools.count(1)  # version numbers, unique across groups (0: the weights built from the seed)
 
 
@@ -36,7 +39,7 @@ VERSIONS = itertools.count(1)  # version numbers, unique across groups (0: the w
 class Usage:
     """One instance task: which pool, when it held its slot (wall clock), and how that time went."""
 
-    pool: str
+    pool: str  # the placement pool, or the stage kind (generation, inference, training) without one
     group: str
     pid: int
     began: float  # time.time() when the task started
@@ -66,7 +69,7 @@ class ServerlessGroup:
     why_not_per_rank = ("serverless instances are tasks, one call each: a fused stage's rank-by-rank streams need "
                         "long-lived ranks (the ray backend)")
 
-    def __init__(self, name: str, pool: str, build: Build, world: int, run_id: str, *, cpus: float = 1.0,
+    def __init__(self, name: str, pool: str | None, build: Build, world: int, run_id: str, *, cpus: float = 1.0,
                  crash_on_call: tuple[str, int, str] | None = None, cost_weight: float = 0.5):
         self.name, self.pool, self.build, self.world = name, pool, build, world
         self.models = tuple(m.name for m in build.models)
@@ -114,7 +117,7 @@ class ServerlessGroup:
     def finish(self, plan: dispatch.Plan, refs: list[list[ray.ObjectRef]], order: list[int] | None,
                choice: ScaleChoice | None = None, sent: float = 0.0) -> Any:
         results = ray.get([r[0] for r in refs])
-        used = [Usage(self.pool, self.name, int(st["pid"]), float(st["began"]), float(st["start_s"]),
+        used = [Usage(self.pool_of(plan.method), self.name, int(st["pid"]), float(st["began"]), float(st["start_s"]),
                       float(st["load_s"]), float(st["run_s"]), bool(st["cold"])) for st in ray.get([r[1] for r in refs])]
         self.usage.extend(used)
         if plan.method == "generate":
@@ -124,6 +127,12 @@ class ServerlessGroup:
         if plan.method == "generate" and isinstance(merged, Batch):
             merged = self._learn_and_restore(merged, order)
         return merged
+
+    def pool_of(self, method: str) -> str:
+        """The pool a call's instances count in: the group's `placement` pool, else its stage kind."""
+        if self.pool is not None:
+            return self.pool
+        return STAGE_KINDS.get(method, "setup")  # start-up (the first instance's build) and checkpoints
 
     def on_rank(self, rank: int, method: str, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError(self.why_not_per_rank)

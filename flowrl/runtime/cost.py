@@ -89,11 +89,12 @@ class CostMeter:
         the models on a cold start, loading newer weights, running), busy = running."""
         out: dict[str, float] = {}
         totals = dict.fromkeys(("held_s", "busy_s", "starting_s", "loading_s", "cold_starts", "warm_starts"), 0.0)
-        for p in self.pools:
-            mine = [u for u in usage if u.pool == p.name]
+        names = list(dict.fromkeys([p.name for p in self.pools] + [u.pool for u in usage]))  # + stage-kind pools
+        for name in names:
+            mine = [u for u in usage if u.pool == name]
             held, busy = sum(u.held_s for u in mine), sum(u.run_s for u in mine)
-            out[f"{PREFIX}{p.name}/held_s"], out[f"{PREFIX}{p.name}/busy_s"] = held, busy
-            out[f"{PREFIX}{p.name}/instances"] = float(len({u.pid for u in mine}))
+            out[f"{PREFIX}{name}/held_s"], out[f"{PREFIX}{name}/busy_s"] = held, busy
+            out[f"{PREFIX}{name}/instances"] = float(len({u.pid for u in mine}))
             totals["held_s"] += held
             totals["busy_s"] += busy
             totals["starting_s"] += sum(u.start_s for u in mine)
@@ -113,9 +114,13 @@ def summary(rows: Sequence[Mapping[str, Any]], pools: Sequence[Pool]) -> dict[st
         return float(sum(float(r.get(key, 0.0)) for r in rows))
 
     out: dict[str, Any] = {"pools": []}
-    for p in pools:
-        held, busy = total(f"{PREFIX}{p.name}/held_s"), total(f"{PREFIX}{p.name}/busy_s")
-        out["pools"].append({"pool": p.name, "devices": p.devices, "held_s": held, "busy_s": busy,
+    devices = {p.name: p.devices for p in pools}
+    found = [k[len(PREFIX):-len("/held_s")] for r in rows for k in r if k.startswith(PREFIX) and k.endswith("/held_s")]
+    for name in dict.fromkeys(found or devices):  # the pools the rows name (an elastic backend's stage kinds too)
+        held, busy = total(f"{PREFIX}{name}/held_s"), total(f"{PREFIX}{name}/busy_s")
+        if not held:  # a declared pool an elastic backend never used under that name
+            continue
+        out["pools"].append({"pool": name, "devices": devices.get(name, 0), "held_s": held, "busy_s": busy,
                              "utilization": busy / held if held else 0.0})
     for key in ("held_s", "busy_s", "idle_s", "starting_s", "loading_s", "cold_starts", "warm_starts"):
         out[key] = total(PREFIX + key)
@@ -134,7 +139,7 @@ def table(report: Mapping[str, Any]) -> str:
     """The summary as the text table printed at the end of `flowrl run`."""
     lines = [f"{'pool':<12} {'devices':>7} {'held dev-s':>11} {'busy dev-s':>11} {'busy':>6}"]
     for p in report["pools"]:
-        lines.append(f"{p['pool']:<12} {p['devices']:>7} {p['held_s']:>11.1f} {p['busy_s']:>11.1f} "
+        lines.append(f"{p['pool']:<12} {p['devices'] or 'elastic':>7} {p['held_s']:>11.1f} {p['busy_s']:>11.1f} "
                      f"{p['utilization']:>6.0%}")
     lines.append(f"{'all':<12} {'':>7} {report['held_s']:>11.1f} {report['busy_s']:>11.1f} "
                  f"{report['utilization']:>6.0%}   (starting {report['starting_s']:.1f} dev-s, "

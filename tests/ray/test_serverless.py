@@ -146,3 +146,14 @@ def test_each_step_chooses_how_many_instances_generate(tmp_path: Path) -> None:
         assert row["scale/gen/instances"] == best
         assert (row["scale/gen/predicted_T_s"], row["scale/gen/predicted_C_s"]) == cands[best]
         assert row["scale/gen/measured_T_s"] > 0 and row["scale/gen/measured_C_s"] > 0
+
+
+def test_without_placement_the_cost_report_has_a_pool_per_stage_kind(tmp_path: Path) -> None:
+    text = (tmp_path / "f.flow")
+    write(tmp_path)
+    text.write_text(text.read_text().split("placement")[0] + "run { steps = 2, seed = 5 }\n")
+    res = flowrl.run(flowrl.load(str(text)), out_dir=tmp_path / "out", backend="serverless")
+    assert {p["pool"] for p in res.cost["pools"]} == {"generation", "inference", "training", "setup"}
+    for row in res.metrics:
+        assert row["cost/held_s"] == pytest.approx(sum(row.get(f"cost/{k}/held_s", 0.0) for k in
+                                                       ("generation", "inference", "training", "setup", "colocated")))
