@@ -29,15 +29,13 @@ def in_process_groups(graph: Graph, *, seed: int, device: str,
     return groups
 
 
-class LocalBackend:
-    name = "local"
-    why_not_async = ("a model placed in several groups is one shared object on the local backend, so generation "
-                     "cannot keep older weights while training changes them (run it on the process or ray backend)")
+class SharedWeights:
+    """What the in-process backends (local, threads) share: every group reads a model's one copy, so there is
+    nothing to sync after an update and no older version to generate with (asynchronous runs go synchronous,
+    saying `why_not_async`); fixed pools for the cost report."""
 
-    def start(self, graph: Graph, *, seed: int, device: str) -> dict[str, WorkerGroup]:
-        groups = in_process_groups(graph, seed=seed, device=device, pool_of=lambda name, world: None,
-                                   world_of=lambda ranks: 1)
-        return {g.name: g for g in groups}
+    name: str
+    why_not_async: str
 
     def after_update(self, model: str, group: str) -> float:
         return 0.0  # a model in several groups is one shared object: nothing to send
@@ -55,6 +53,17 @@ class LocalBackend:
 
     def usage(self) -> None:
         return None  # fixed pools: every device held from start to shutdown
+
+
+class LocalBackend(SharedWeights):
+    name = "local"
+    why_not_async = ("a model placed in several groups is one shared object on the local backend, so generation "
+                     "cannot keep older weights while training changes them (run it on the process or ray backend)")
+
+    def start(self, graph: Graph, *, seed: int, device: str) -> dict[str, WorkerGroup]:
+        groups = in_process_groups(graph, seed=seed, device=device, pool_of=lambda name, world: None,
+                                   world_of=lambda ranks: 1)
+        return {g.name: g for g in groups}
 
     def shutdown(self) -> None:
         pass

@@ -10,17 +10,15 @@ ops), and an update runs once on the whole batch (see `flowrl.backends.local.gro
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
-from flowrl.backends.local.backend import in_process_groups
+from flowrl.backends.local.backend import SharedWeights, in_process_groups
 from flowrl.backends.local.group import InProcessGroup
-from flowrl.errors import Diagnostic, FlowError
 from flowrl.ir.graph import Graph
 from flowrl.runtime.protocol import WorkerGroup
 from flowrl.runtime.schedule import torch_threads
 
 
-class ThreadBackend:
+class ThreadBackend(SharedWeights):
     """`world`: ranks of every group, in place of each group's `replicas` (for measurements and tests)."""
 
     name = "threads"
@@ -39,23 +37,6 @@ class ThreadBackend:
         self.groups = in_process_groups(graph, seed=seed, device=device, pool_of=pool,
                                         world_of=lambda ranks: self.world or ranks)
         return {g.name: g for g in self.groups}
-
-    def after_update(self, model: str, group: str) -> float:
-        return 0.0  # the groups share each model's one worker: nothing to send
-
-    def snapshot(self, model: str, group: str) -> Any:
-        raise FlowError(Diagnostic(f"the {self.name} backend cannot keep two versions of {model}",
-                                   hint=self.why_not_async))
-
-    def load_snapshot(self, model: str, group: str, weights: Any) -> float:
-        raise FlowError(Diagnostic(f"the {self.name} backend cannot keep two versions of {model}",
-                                   hint=self.why_not_async))
-
-    def metrics(self) -> dict[str, float]:
-        return {}
-
-    def usage(self) -> None:
-        return None  # fixed pools: every device held from start to shutdown
 
     def shutdown(self) -> None:
         for g in self.groups:
