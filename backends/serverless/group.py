@@ -92,14 +92,18 @@ class ServerlessGroup:
 
     # ---- the WorkerGroup protocol --------------------------------------------------------------------
     def call(self, method: str, *args: Any, dispatch: str = "split", **kwargs: Any) -> Future:
-        world = 1 if method in dispatch_updates() else self.world
+        mode = dispatch
+        return self._call(method, args, mode, kwargs)
+
+    def _call(self, method: str, args: tuple[Any, ...], mode: str, kwargs: dict[str, Any]) -> Future:
+        world = 1 if method in dispatch.UPDATES else self.world
         order, choice = None, None
         if method == "generate" and world > 1 and args and isinstance(args[1], Batch):
             choice = self._scale(args[1], args[2] if len(args) > 2 else {})
             world = choice.chosen.instances if choice is not None else world
             args, order = self._ranked(args, world)
-        plan = _plan(method, args, kwargs, dispatch, world)
-        new = next(VERSIONS) if method in dispatch_updates() else 0
+        plan = dispatch.plan(method, args, kwargs, mode, world)
+        new = next(VERSIONS) if method in dispatch.UPDATES else 0
         wanted = {m: self.state[m] for m in self.models}
         self.calls[method] = self.calls.get(method, 0) + 1
         crash = self.crash_on_call
@@ -108,10 +112,10 @@ class ServerlessGroup:
             list(remote_serve.options(num_cpus=self.cpus, resources={SLOT: 1}, num_returns=3).remote(
                 self.key, self.build, wanted, method, c.args, c.kwargs, new, marker if c.rank == 0 else None))
             for c in plan.calls]
-        if method in dispatch_updates():
+        if method in dispatch.UPDATES:
             trained = [args[0]] if isinstance(args[0], str) else list(args[0])
-            for m in trained:  # the new version is the update's third result, kept in the object store
-                self.state[m] = (new, [_pick(refs[0][2], m)])
+            for m in trained:  # the new version: the update's third result ({model: state}), kept in the store
+                self.state[m] = (new, [refs[0][2], m])
         return ServerlessFuture(self, plan, refs, order, choice)
 
     def finish(self, plan: dispatch.Plan, refs: list[list[ray.ObjectRef]], order: list[int] | None,
@@ -218,23 +222,3 @@ class ServerlessGroup:
     def take_usage(self) -> list[Usage]:
         out, self.usage = self.usage, []
         return out
-
-
-def dispatch_updates() -> frozenset[str]:
-    return dispatch.UPDATES
-
-
-def _plan(method: str, args: Sequence[Any], kwargs: Mapping[str, Any], mode: str, world: int) -> dispatch.Plan:
-    return dispatch.plan(method, args, kwargs, mode, world)
-
-
-@ray.remote
-def _select(state: Mapping[str, Any] | None, model: str) -> Any:
-    if state is None:
-        raise RuntimeError(f"the update returned no state for {model}")
-    return state[model]
-
-
-def _pick(ref: ray.ObjectRef, model: str) -> ray.ObjectRef:
-    """One model's entry of an update's returned state, as its own object (resolved in the store, not here)."""
-    return _select.options(num_cpus=0).remote(ref, model)

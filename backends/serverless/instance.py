@@ -2,8 +2,9 @@
 
 Tasks run on Ray worker processes that are kept and reused (`max_calls=0`), and each process keeps the
 `ModelWorker`s it built in `_CACHE`, keyed by (run, worker group), with the version of each model's weights it
-holds. A task names the versions it needs (`wanted`: model -> (version, [object ref] or [] for the weights
-every instance builds from the seed)); a process already holding them starts at once (a warm start), one that
+holds. A task names the versions it needs (`wanted`: model -> (version, [object ref] — or [ref, model] for an
+update's result, which holds every model it trained — or [] for the weights every instance builds from the
+seed)); a process already holding them starts at once (a warm start), one that
 holds older weights loads them from the object store first, and a new process builds its models first (a cold
 start). The state of a pool lives in the object store between tasks, so any process can serve any call, and a
 pool with no work holds no slot (scale to zero). An instance lost mid-call is replaced by Ray's task retry: the
@@ -68,7 +69,8 @@ def serve(key: tuple[str, str], build: Build, wanted: Mapping[str, tuple[int, Se
         if entry.versions.get(model) != version:
             if not holder:
                 raise RuntimeError(f"{model}: version {version} wanted, none to load")
-            entry.worker.load_state_dict({model: ray.get(holder[0])})
+            state = ray.get(holder[0])  # a model's state, or an update's {model: state} and the model's name
+            entry.worker.load_state_dict({model: state[holder[1]] if len(holder) > 1 else state})
             entry.versions[model] = version
     ready = time.perf_counter()
     if crash is not None and not os.path.exists(crash):
