@@ -5,11 +5,11 @@ length-ranked assignment of prompts to instances."""
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+import ray
 import torch
 
 import flowrl
@@ -55,22 +55,27 @@ def test_one_instance_per_pool_gives_the_process_backends_numbers(tmp_path: Path
     """Weights move between the pools as versions in the object store; the numbers are the process backend's,
     so every instance ran with the weights the schedule names. Between calls no pool holds a slot."""
     graph = write(tmp_path, k=k)
-    free: list[float] = []
+    freed: list[int] = []
 
     def between_steps(step: int, row: dict[str, Any]) -> None:
-        # Synchronously nothing runs between steps, so every slot comes back (Ray frees a finished task's
-        # resources shortly after its result: wait for that, up to a deadline no healthy run comes near).
-        deadline = time.monotonic() + 30.0
-        while ray_session.available_resources().get("device_slot", 0) < 4 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        free.append(ray_session.available_resources().get("device_slot", 0))
+        # Synchronously nothing of the run works between steps (it waits on this callback), so a task asking for
+        # all four slots at once is scheduled the moment Ray has them all back: waiting on it waits on that
+        # event. A pool still holding a slot would keep it from ever running (the bound only turns that hang
+        # into a failure).
+        ray_session.get(all_slots.remote(), timeout=300)
+        freed.append(step)
 
     served = flowrl.run(graph, out_dir=tmp_path / "serverless", backend="serverless",
                         on_step=between_steps if k == 0 else None)
     fixed = flowrl.run(graph, out_dir=tmp_path / "process", backend="process")
     _same(numbers(served.metrics), numbers(fixed.metrics))
     if k == 0:
-        assert free == [4.0] * 4  # after every step all four slots are free: no pool holds one without work
+        assert freed == [1, 2, 3, 4]  # after every step all four slots came back: no pool holds one without work
+
+
+@ray.remote(num_cpus=0, resources={"device_slot": 4})
+def all_slots() -> None:
+    """Runs only when every device slot of the test cluster is free."""
 
 
 def _same(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> None:
