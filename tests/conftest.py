@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
+from pathlib import Path
+
 import pytest
+
+import flowrl
+from flowrl.ir.graph import Graph
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -14,3 +21,39 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def update_golden(request: pytest.FixtureRequest) -> bool:
     """True when the run was started with --update-golden."""
     return bool(request.config.getoption("--update-golden"))
+
+
+# GRPO on split pools (generation on `gen`, the update and the reference on `train`), a tiny GPT-2 with a learning
+# rate high enough that consecutive weight versions differ, and a reward that scores digits: it differs within a
+# group from the first step (arith_exact is 0 for an untrained policy, so the first updates would change nothing).
+SPLIT_GRPO = """
+model actor : policy {{ source = "tiny:gpt2", layers = 1, dim = 32, heads = 2, charset = "0123456789+=", lr = 3e-3 }}
+model ref : reference {{ source = actor }}
+reward scored = "{reward}"
+data prompts = jsonl("data.jsonl") {{ batch = 4 }}
+use grpo(reward = scored, group = 4, max_tokens = 3, kl_coef = 0.01{use})
+placement {{
+    pool gen   {{ gpus = {gen} }}
+    pool train {{ gpus = 1 }}
+    actor.generate -> gen
+    actor.update, ref -> train
+}}
+run {{ steps = {steps}, seed = 5, max_staleness = {k}{run} }}
+"""
+
+
+@pytest.fixture
+def split_grpo(tmp_path: Path) -> Callable[..., Graph]:
+    """Writes SPLIT_GRPO (as f.flow), its digits reward and its 16 prompts into tmp_path and loads it."""
+
+    def make(*, k: int = 0, steps: int = 4, gen: str = "1", reward: str = "digits.reward", use: str = "",
+             run: str = "") -> Graph:
+        (tmp_path / "digits.py").write_text("def reward(prompt, response, **_):\n"
+                                            "    return float(sum(c.isdigit() for c in response))\n")
+        rows = [{"prompt": f"{a}+{b}=", "answer": a + b} for a in range(4) for b in range(4)]
+        (tmp_path / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        (tmp_path / "f.flow").write_text(SPLIT_GRPO.format(k=k, steps=steps, gen=gen, reward=reward, use=use,
+                                                           run=run))
+        return flowrl.load(str(tmp_path / "f.flow"))
+
+    return make

@@ -4,40 +4,19 @@ names (Ray's own pull-before-use sync is off for that model: it would hand gener
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 import flowrl
+from flowrl.ir.graph import Graph
 
 pytestmark = [pytest.mark.ray, pytest.mark.usefixtures("ray_session")]
 
-FLOW = """
-model actor : policy { source = "tiny:gpt2", layers = 1, dim = 32, heads = 2, charset = "0123456789+=", lr = 3e-3 }
-model ref : reference { source = actor }
-reward digits = "digits.reward"
-data prompts = jsonl("data.jsonl") { batch = 4 }
-use grpo(reward = digits, group = 4, max_tokens = 3, kl_coef = 0.01)
-placement {
-    pool gen   { gpus = 1 }
-    pool train { gpus = 1 }
-    actor.generate -> gen
-    actor.update, ref -> train
-}
-run { steps = 5, seed = 5, max_staleness = 1 }
-"""
-
-
 def test_ray_runs_an_asynchronous_flow_with_the_process_backends_numbers(
-        tmp_path: Path, same_metrics: Callable[..., None]) -> None:
-    (tmp_path / "digits.py").write_text("def reward(prompt, response, **_):\n"
-                                        "    return float(sum(c.isdigit() for c in response))\n")
-    rows = [{"prompt": f"{a}+{b}=", "answer": a + b} for a in range(4) for b in range(4)]
-    (tmp_path / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (tmp_path / "f.flow").write_text(FLOW)
-    graph = flowrl.load(str(tmp_path / "f.flow"))
+        tmp_path: Path, same_metrics: Callable[..., None], split_grpo: Callable[..., Graph]) -> None:
+    graph = split_grpo(k=1, steps=5)
     runs = {}
     for backend in ("process", "ray"):
         metrics = flowrl.run(graph, out_dir=tmp_path / backend, backend=backend).metrics

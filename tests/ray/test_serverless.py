@@ -5,6 +5,7 @@ length-ranked assignment of prompts to instances."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,41 +21,16 @@ from flowrl.runtime.batch import Batch
 
 pytestmark = [pytest.mark.ray, pytest.mark.usefixtures("ray_session")]
 
-FLOW = """
-model actor : policy {{ source = "tiny:gpt2", layers = 1, dim = 32, heads = 2, charset = "0123456789+=", lr = 3e-3 }}
-model ref : reference {{ source = actor }}
-reward digits = "digits.reward"
-data prompts = jsonl("data.jsonl") {{ batch = 4 }}
-use grpo(reward = digits, group = 4, max_tokens = 3, kl_coef = 0.01)
-placement {{
-    pool gen   {{ gpus = {gen}, elastic = true }}
-    pool train {{ gpus = 1, elastic = true }}
-    actor.generate -> gen
-    actor.update, ref -> train
-}}
-run {{ steps = 4, seed = 5, max_staleness = {k} }}
-"""
-
-
-def write(tmp: Path, k: int = 0, gen: str = "1") -> Graph:
-    (tmp / "digits.py").write_text("def reward(prompt, response, **_):\n"
-                                   "    return float(sum(c.isdigit() for c in response))\n")
-    rows = [{"prompt": f"{a}+{b}=", "answer": a + b} for a in range(4) for b in range(4)]
-    (tmp / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (tmp / "f.flow").write_text(FLOW.format(k=k, gen=gen))
-    return flowrl.load(str(tmp / "f.flow"))
-
-
 def numbers(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{k: v for k, v in r.items() if not k.startswith(("time/", "cost/", "async/", "scale/"))
              and k not in ("step_time_s", "tokens_per_s")} for r in rows]
 
 
 @pytest.mark.parametrize("k", [0, 1], ids=["synchronous", "asynchronous"])
-def test_one_instance_per_pool_gives_the_process_backends_numbers(tmp_path: Path, k: int, ray_session: Any) -> None:
+def test_one_instance_per_pool_gives_the_process_backends_numbers(tmp_path: Path, k: int, ray_session: Any, split_grpo: Callable[..., Graph]) -> None:
     """Weights move between the pools as versions in the object store; the numbers are the process backend's,
     so every instance ran with the weights the schedule names. Between calls no pool holds a slot."""
-    graph = write(tmp_path, k=k)
+    graph = split_grpo(k=k)
     freed: list[int] = []
 
     def between_steps(step: int, row: dict[str, Any]) -> None:
@@ -86,8 +62,8 @@ def _same(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> None:
             assert x[key] == pytest.approx(y[key], rel=1e-4, abs=1e-4), key
 
 
-def test_the_cost_report_is_the_instance_tasks(tmp_path: Path) -> None:
-    res = flowrl.run(write(tmp_path, gen="2"), out_dir=tmp_path / "out", backend="serverless")
+def test_the_cost_report_is_the_instance_tasks(tmp_path: Path, split_grpo: Callable[..., Graph]) -> None:
+    res = flowrl.run(split_grpo(gen="2"), out_dir=tmp_path / "out", backend="serverless")
     events = [e for e in json.loads((tmp_path / "out" / "trace.json").read_text())["traceEvents"]
               if e.get("ph") == "X" and e["cat"] == "held"]
     for row in res.metrics:
@@ -122,13 +98,13 @@ def test_generation_is_assigned_by_predicted_length() -> None:
     assert back["group_id"].tolist() == [0, 0, 1, 1, 2, 2, 3, 3]
 
 
-def test_an_instance_lost_mid_generation_is_replaced_and_the_step_ends_the_same(tmp_path: Path) -> None:
+def test_an_instance_lost_mid_generation_is_replaced_and_the_step_ends_the_same(tmp_path: Path, split_grpo: Callable[..., Graph]) -> None:
     """The gen pool's 2nd generate call loses its instance's process before it runs: Ray runs the task again on
     another process with the same versions and seeds, and the run's numbers are those of a run that lost
     nothing. (The lost attempt's device time is not in the cost report yet: Ray retries it unseen.)"""
     from flowrl.backends.serverless import ServerlessBackend
 
-    graph = write(tmp_path)
+    graph = split_grpo()
     marker = tmp_path / "crashed"
     lost = flowrl.run(graph, out_dir=tmp_path / "lost", backend=ServerlessBackend(
         crash_on_call={"gen": ("generate", 2, str(marker))}))
@@ -137,10 +113,10 @@ def test_an_instance_lost_mid_generation_is_replaced_and_the_step_ends_the_same(
     _same(numbers(lost.metrics), numbers(whole.metrics))
 
 
-def test_each_step_chooses_how_many_instances_generate(tmp_path: Path) -> None:
+def test_each_step_chooses_how_many_instances_generate(tmp_path: Path, split_grpo: Callable[..., Graph]) -> None:
     """Pool gen has 1..3 instances: the first generation uses all 3 (nothing measured yet); later ones take the
     argmin of the cost-weighted score over the logged candidates, and log predicted and measured T and C."""
-    res = flowrl.run(write(tmp_path, gen="1..3"), out_dir=tmp_path / "out", backend="serverless")
+    res = flowrl.run(split_grpo(gen="1..3"), out_dir=tmp_path / "out", backend="serverless")
     first, *later = res.metrics
     assert first["scale/gen/instances"] == 3 and "scale/gen/predicted_T_s" not in first
     for row in later:
@@ -153,9 +129,9 @@ def test_each_step_chooses_how_many_instances_generate(tmp_path: Path) -> None:
         assert row["scale/gen/measured_T_s"] > 0 and row["scale/gen/measured_C_s"] > 0
 
 
-def test_without_placement_the_cost_report_has_a_pool_per_stage_kind(tmp_path: Path) -> None:
+def test_without_placement_the_cost_report_has_a_pool_per_stage_kind(tmp_path: Path, split_grpo: Callable[..., Graph]) -> None:
     text = (tmp_path / "f.flow")
-    write(tmp_path)
+    split_grpo()
     text.write_text(text.read_text().split("placement")[0] + "run { steps = 2, seed = 5 }\n")
     res = flowrl.run(flowrl.load(str(text)), out_dir=tmp_path / "out", backend="serverless")
     assert {p["pool"] for p in res.cost["pools"]} == {"generation", "inference", "training", "setup"}

@@ -5,6 +5,7 @@ resume, failures, and backends that cannot keep two versions of the weights."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,31 +22,10 @@ from flowrl.runtime.controller import Controller
 from flowrl.runtime.runner import loaders_of, scorers_of
 from flowrl.runtime.worker import ModelWorker
 
-FLOW = """
-model actor : policy {{ source = "tiny:gpt2", layers = 1, dim = 32, heads = 2, charset = "0123456789+=", lr = 3e-3 }}
-model ref : reference {{ source = actor }}
-reward correct = "{reward}"
-data prompts = jsonl("data.jsonl") {{ batch = 4 }}
-use grpo(reward = correct, group = 4, max_tokens = 3, kl_coef = 0.01{extra})
-placement {{
-    pool gen   {{ gpus = 1 }}
-    pool train {{ gpus = 1 }}
-    actor.generate -> gen
-    actor.update, ref -> train
-}}
-run {{ steps = 6, seed = 5, checkpoint_every = 2, max_staleness = {k} }}
-"""
 
-
-def write(tmp: Path, k: int = 1, reward: str = "digits.reward", extra: str = "") -> Graph:
-    # Scores that differ within a group from the first step (arith_exact is 0 for an untrained policy, so the
-    # first updates would change nothing and every version would be the same weights).
-    (tmp / "digits.py").write_text("def reward(prompt, response, **_):\n"
-                                   "    return float(sum(c.isdigit() for c in response))\n")
-    rows = [{"prompt": f"{a}+{b}=", "answer": a + b} for a in range(4) for b in range(4)]
-    (tmp / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (tmp / "f.flow").write_text(FLOW.format(k=k, reward=reward, extra=extra))
-    return flowrl.load(str(tmp / "f.flow"))
+def write(make: Callable[..., Graph], *, k: int = 1, reward: str = "digits.reward", extra: str = "") -> Graph:
+    """The shared split GRPO flow (tests/conftest.py), 6 steps, checkpoints every 2."""
+    return make(k=k, reward=reward, use=extra, steps=6, run=", checkpoint_every = 2")
 
 
 def numbers(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -73,10 +53,10 @@ def drive(graph: Graph, steps: int, staleness: int | None = None) -> tuple[list[
     return results, versions
 
 
-def test_each_batch_is_generated_by_the_version_k_updates_back(tmp_path: Path) -> None:
+def test_each_batch_is_generated_by_the_version_k_updates_back(tmp_path: Path, split_grpo: Callable[..., Graph]) -> None:
     """Checked on the weights, not on the driver's word: every sample's recorded log-probs (from generation) are
     what version max(0, t - 2) gives them, and not what the newer version t - 1 would."""
-    graph = write(tmp_path, k=1)
+    graph = write(split_grpo, k=1)
     results, versions = drive(graph, 5)
     worker = ModelWorker([graph.model("actor")], graph.models, seed=5, device="cpu")
     module = worker.models["actor"].module
@@ -98,11 +78,11 @@ def test_each_batch_is_generated_by_the_version_k_updates_back(tmp_path: Path) -
             assert gap(t - 1) > 1e-3  # the versions differ enough for the check to mean something
 
 
-def test_the_asynchronous_machinery_at_k_0_gives_the_synchronous_numbers(tmp_path: Path) -> None:
+def test_the_asynchronous_machinery_at_k_0_gives_the_synchronous_numbers(tmp_path: Path, split_grpo: Callable[..., Graph]) -> None:
     """The rollout thread, queue and snapshots, driven at K = 0, reproduce today's synchronous step exactly."""
-    sync = flowrl.run(write(tmp_path, k=0, extra=', is_correction = "none"'), out_dir=tmp_path / "sync",
+    sync = flowrl.run(write(split_grpo, k=0, extra=', is_correction = "none"'), out_dir=tmp_path / "sync",
                       backend="process", steps=4).metrics
-    results, _ = drive(write(tmp_path, k=1, extra=', is_correction = "none"'), 4, staleness=0)
+    results, _ = drive(write(split_grpo, k=1, extra=', is_correction = "none"'), 4, staleness=0)
     for want, res in zip(sync, results, strict=True):
         for key, value in numbers([want])[0].items():
             if key != "step":
@@ -116,8 +96,8 @@ def test_k_0_compiles_to_the_synchronous_graph(tmp_path: Path) -> None:
     assert [n.attrs for n in zero.nodes] == [n.attrs for n in plain.nodes]
 
 
-def test_a_resumed_asynchronous_run_gives_the_metrics_of_an_uninterrupted_one(tmp_path: Path) -> None:
-    graph = write(tmp_path, k=1)
+def test_a_resumed_asynchronous_run_gives_the_metrics_of_an_uninterrupted_one(tmp_path: Path, split_grpo: Callable[..., Graph]) -> None:
+    graph = write(split_grpo, k=1)
     whole = flowrl.run(graph, out_dir=tmp_path / "whole", backend="process").metrics
 
     def crash(step: int, row: dict[str, Any]) -> None:
@@ -134,8 +114,8 @@ def test_a_resumed_asynchronous_run_gives_the_metrics_of_an_uninterrupted_one(tm
     assert [r["async/staleness_mean"] for r in resumed] == [0.0] + [1.0] * 5
 
 
-def test_a_run_continued_for_more_steps_has_the_versions_it_needs(tmp_path: Path) -> None:
-    graph = write(tmp_path, k=2)
+def test_a_run_continued_for_more_steps_has_the_versions_it_needs(tmp_path: Path, split_grpo: Callable[..., Graph]) -> None:
+    graph = write(split_grpo, k=2)
     whole = flowrl.run(graph, out_dir=tmp_path / "whole", backend="process").metrics
     flowrl.run(graph, out_dir=tmp_path / "short", backend="process", steps=3)
     longer = flowrl.run(graph, out_dir=tmp_path / "short", backend="process", resume=True).metrics
@@ -143,7 +123,7 @@ def test_a_run_continued_for_more_steps_has_the_versions_it_needs(tmp_path: Path
     assert [r["async/version"] for r in longer] == [0, 0, 0, 1, 2, 3]
 
 
-def test_a_failure_ahead_of_training_is_reported_with_its_node(tmp_path: Path) -> None:
+def test_a_failure_ahead_of_training_is_reported_with_its_node(tmp_path: Path, split_grpo: Callable[..., Graph]) -> None:
     (tmp_path / "boom.py").write_text(
         "calls = 0\n"
         "def reward(prompt, response, **_):\n"
@@ -152,7 +132,7 @@ def test_a_failure_ahead_of_training_is_reported_with_its_node(tmp_path: Path) -
         "    if calls > 32:  # 16 samples a step: step 3's rollout fails, ahead of step 3's training\n"
         "        raise ValueError('bad sample')\n"
         "    return 0.0\n")
-    graph = write(tmp_path, k=1, reward="boom.reward")
+    graph = write(split_grpo, k=1, reward="boom.reward")
     with pytest.raises(FlowError) as failed:
         flowrl.run(graph, out_dir=tmp_path / "out", backend="process")
     assert "scores = reward(rollout)" in failed.value.render() and "bad sample" in failed.value.render()
@@ -160,8 +140,8 @@ def test_a_failure_ahead_of_training_is_reported_with_its_node(tmp_path: Path) -
     assert [r["step"] for r in rows] == [1, 2]  # the steps before it were kept
 
 
-def test_a_backend_sharing_the_weights_runs_synchronously_and_says_why(tmp_path: Path) -> None:
-    graph = write(tmp_path, k=1)
+def test_a_backend_sharing_the_weights_runs_synchronously_and_says_why(tmp_path: Path, split_grpo: Callable[..., Graph]) -> None:
+    graph = write(split_grpo, k=1)
     res = flowrl.run(graph, out_dir=tmp_path / "out", backend="local", steps=2)
     about = json.loads((tmp_path / "out" / "run.json").read_text())
     assert "shared object" in about["synchronous"]
