@@ -1,4 +1,5 @@
-"""The `flowrl` command line: check, compile, show, run, viz, timeline.
+"""The `flowrl` command line: check, compile, show, run, viz, timeline, fuse-schedule, and the simulator's
+simulate, calibrate and plan (flowrl.backends.sim.commands).
 
 Every user error is printed as a rendered diagnostic on stderr with exit status 1; no verb prints a
 Python traceback for a mistake in a flow, data file or reward function.
@@ -18,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from flowrl.backends import entries as backend_entries
 from flowrl.backends import names as backend_names
+from flowrl.backends.sim import commands as sim_commands
 from flowrl.errors import Diagnostic, FlowError
 
 if TYPE_CHECKING:
@@ -107,6 +109,8 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--seed", type=int, default=0)
     c.add_argument("--iters", type=int, default=None, help="annealing moves (default: 4 per task, at most 4000)")
     c.add_argument("--json", action="store_true", help="print the schedule as JSON")
+
+    sim_commands.add_verbs(verb)
     return p
 
 
@@ -260,7 +264,7 @@ def cmd_fuse_schedule(args: argparse.Namespace) -> int:
 
 
 VERBS = {"check": cmd_check, "compile": cmd_compile, "show": cmd_show, "run": cmd_run, "viz": cmd_viz,
-         "timeline": cmd_timeline, "fuse-schedule": cmd_fuse_schedule}
+         "timeline": cmd_timeline, "fuse-schedule": cmd_fuse_schedule, **sim_commands.VERBS}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,0 +1,174 @@
+"""`flowrl calibrate RUN_DIR...`: the cost model's factors fitted on flowrl's own measured runs
+(flowrl.backends.sim).
+
+Each run directory gives, per step, what was computed (graph.json: the models and calls; lengths.jsonl: every
+sample's prompt and response length) and how long each call took (metrics.jsonl: `time/NODE`). Each kind of call
+is a line in the cost model's terms, fitted by least squares over all steps of all runs:
+- generate: gen_call_s + decode_iter_s · iterations + (decode FLOPs / peak) / decode_mfu (prefill included,
+  at the same efficiency: one instance decodes every sample together, as the local engine does);
+- a forward: fwd_call_s + (FLOPs / peak) / forward_mfu; an update call: train_call_s per model it trains +
+  optim_step_s per optimizer step + (3 · FLOPs / peak) / train_mfu; FLOPs padded to each batch's longest row, as
+  flowrl's torch engine computes them.
+The fit's error is reported per kind of call and for whole steps (the `serverful` policy on the one device,
+which is how the local backend runs a step: every call in turn). First steps (warm-up) are left out.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from flowrl.backends.sim.costs import CostModel, Factors
+from flowrl.backends.sim.hardware import Cluster, load_cluster
+from flowrl.backends.sim.shapes import ModelShape
+from flowrl.backends.sim.simulate import simulate
+from flowrl.backends.sim.work import Call, FlowWork, controller_times, flow_work
+from flowrl.backends.sim.workload import Step, replay
+from flowrl.errors import Diagnostic, FlowError
+
+
+@dataclass(frozen=True)
+class Run:
+    path: Path
+    work: FlowWork
+    steps: list[Step]
+    times: list[dict[str, float]]  # per step: node -> seconds, and "step"
+
+
+def load_run(run_dir: str | Path, skip: int = 1) -> Run:
+    path = Path(run_dir)
+    for name in ("graph.json", "lengths.jsonl", "metrics.jsonl"):
+        if not (path / name).is_file():
+            raise FlowError(Diagnostic(f"calibrate: {run_dir} has no {name}",
+                                       hint="pass the --out directory of a `flowrl run` (local backend)"))
+    graph = json.loads((path / "graph.json").read_text(encoding="utf-8"))
+    steps = replay(path)
+    times: list[dict[str, float]] = []
+    for lineno, line in enumerate((path / "metrics.jsonl").read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            times.append({"step": float(row["step_time_s"]),
+                          **{k[5:]: float(v) for k, v in row.items() if k.startswith("time/")}})
+        except (ValueError, KeyError, TypeError) as e:
+            raise FlowError(f"{path / 'metrics.jsonl'}:{lineno}: not a metrics row ({e})") from None
+    work = controller_times(flow_work(graph, prompts=len(steps[0]) if steps else None), path)
+    n = min(len(steps), len(times))
+    return Run(path, work, steps[skip:n], times[skip:n])
+
+
+def _decode_terms(cost: CostModel, shape: ModelShape, step: Step) -> tuple[float, float, float]:
+    """(decode iterations, FLOPs / peak, elementwise seconds) of generating the step on one instance, prefill
+    included (each prompt once)."""
+    flops, tokens = 0.0, 0.0
+    for w in step:
+        flops += w.prompt_len * shape.flops_per_token(w.prompt_len / 2)
+        tokens += w.prompt_len
+        for n in w.responses:  # token t of a response attends to prompt + t earlier tokens
+            flops += n * 2 * shape.params + 4 * shape.layers * shape.hidden * (n * w.prompt_len + n * n / 2)
+            tokens += n
+    iters = float(max(n for w in step for n in w.responses))
+    return iters, flops / cost.dev.flops, cost.act_s(shape, tokens)
+
+
+def _forward_terms(cost: CostModel, call: Call, shape: ModelShape, step: Step) -> tuple[float, float]:
+    """(FLOPs / peak, elementwise seconds) of one forward of `call`'s model over the step."""
+    rows = [(w.prompt_id, w.prompt_len, n) for w in step for n in w.responses]
+    return cost.flops(shape, rows, call.share_prefix) / cost.dev.flops, \
+        cost.act_s(shape, cost.tokens(rows, call.share_prefix))
+
+
+def _fit(rows: list[list[float]], y: list[float]) -> list[float]:
+    """Non-negative least squares of the relative error (each row divided by its measured time, so a 5 ms call
+    counts as much as a 500 ms one), by trying every subset of the columns (there are at most three): a column
+    the runs cannot tell from the others (the decode iterations when every step hit max_tokens) gets 0, not a
+    negative number that cancels another."""
+    w = 1.0 / np.array(y, dtype=float)
+    a, b = np.array(rows, dtype=float) * w[:, None], np.ones(len(y))
+    best: tuple[float, list[float]] | None = None
+    for mask in itertools.product((0, 1), repeat=a.shape[1]):
+        cols = [i for i, m in enumerate(mask) if m]
+        if not cols:
+            continue
+        coef = np.linalg.lstsq(a[:, cols], b, rcond=None)[0]
+        if (coef < 0).any():
+            continue
+        full = [0.0] * a.shape[1]
+        for i, c in zip(cols, coef, strict=True):
+            full[i] = float(c)
+        resid = float(np.sum((a @ np.array(full) - b) ** 2))
+        if best is None or resid < best[0] - 1e-15:
+            best = (resid, full)
+    assert best is not None  # one column alone always gives a non-negative fit for positive times
+    return best[1]
+
+
+def calibrate(run_dirs: Sequence[str | Path], cluster: Cluster | None = None) -> tuple[Factors, dict[str, Any]]:
+    cluster = cluster or load_cluster("cpu")
+    runs = [load_run(d) for d in run_dirs]
+    base = CostModel(cluster, replace(Factors(), pad_to_longest=True))
+    gen_x, gen_y, fwd_x, fwd_y, upd_x, upd_y = [], [], [], [], [], []
+    for r in runs:
+        for step, t in zip(r.steps, r.times, strict=True):
+            g = r.work.generate
+            if g.node in t:
+                gen_x.append([1.0, *_decode_terms(base, r.work.shapes[g.model], step)])
+                gen_y.append(t[g.node])
+            for f in r.work.forwards:
+                if f.node in t:
+                    fwd_x.append([1.0, *_forward_terms(base, f, r.work.shapes[f.model], step)])
+                    fwd_y.append(t[f.node])
+            for call in r.work.update_calls():
+                if call[0].node in t:
+                    terms = [_forward_terms(base, u, r.work.shapes[u.model], step) for u in call]
+                    upd_x.append([float(len(call)), float(sum(u.epochs * u.mini_batches for u in call)),
+                                  sum(3 * u.epochs * x[0] for u, x in zip(call, terms, strict=True)),
+                                  sum(3 * u.epochs * x[1] for u, x in zip(call, terms, strict=True))])
+                    upd_y.append(t[call[0].node])
+    if not gen_y or not fwd_y or not upd_y:
+        raise FlowError(Diagnostic("calibrate: the runs need generate, forward and update calls with times",
+                                   hint="runs of a PPO or GRPO flow with at least two steps"))
+    g0, g1, g2, g3 = _fit(gen_x, gen_y)
+    f0, f1, f2 = _fit(fwd_x, fwd_y)
+    u0, u1, u2, u3 = _fit(upd_x, upd_y)
+    # one elementwise factor for the three kinds of call: their mean weight (each fit scales the nominal one)
+    act = base.f.act_bytes * (g3 + f2 + u3) / 3
+    factors = replace(base.f, gen_call_s=g0, decode_iter_s=g1, decode_mfu=_inv(g2), prefill_mfu=_inv(g2),
+                      fwd_call_s=f0, forward_mfu=_inv(f1), train_call_s=u0, optim_step_s=u1,
+                      train_mfu=_inv(u2), act_bytes=act)
+    err = {"generate": _error(gen_x, gen_y, [g0, g1, g2, g3]), "forward": _error(fwd_x, fwd_y, [f0, f1, f2]),
+           "update": _error(upd_x, upd_y, [u0, u1, u2, u3])}
+    model = CostModel(cluster, factors)
+    steps = {}
+    for r in runs:
+        res = simulate("serverful", model, r.work, [r.steps[0], *r.steps]) if r.steps else None
+        if res is not None:
+            measured = sum(t["step"] for t in r.times) / len(r.times)
+            steps[str(r.path)] = {"measured_s": measured, "predicted_s": res.step_s,
+                                  "error": res.step_s / measured - 1}
+    return factors, {"calls": err, "steps": steps, "cluster": cluster.name}
+
+
+def _inv(coef: float) -> float:
+    """An efficiency from a fitted seconds-per-(FLOP/peak): a zero coefficient (the work term explained nothing)
+    becomes an efficiency so high the term vanishes."""
+    return 1.0 / coef if coef > 0 else 1e12
+
+
+def _error(x: list[list[float]], y: list[float], coef: list[float]) -> float:
+    """Mean absolute relative error of the fitted line."""
+    pred = np.array(x) @ np.array(coef)
+    return float(np.mean(np.abs(pred - np.array(y)) / np.array(y)))
+
+
+def save(factors: Factors, info: dict[str, Any], out: str | Path) -> Path:
+    path = Path(out)
+    path.write_text(json.dumps({"factors": factors.to_json(), **info}, indent=2), encoding="utf-8")
+    return path
