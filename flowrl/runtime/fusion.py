@@ -149,6 +149,15 @@ def _train(ctl: StageHost, stage: list[Node], values: dict[str, Batch], step: in
     seeds = [ctl.step_seed(step, n) for n in stage]
     group = ctl.groups[stage[0].worker_group]
     one_holder = group.colocated([str(n.model) for n in stage])
+    if stage[0].attrs.get("schedule") == "interleave" and one_holder and group.inline:
+        # Taking turns needs a thread per update; a thread kept with torch ops run on it keeps its own OpenMP
+        # team, which slowed every later op of the controller's thread 2x (PPO steps 0.106 s -> 0.224 s on 2
+        # CPU cores, bench/calib/calib_ppo.flow), and on one device there are no pipeline bubbles to fill.
+        ctl.decline(stage[0], f"worker group {group.name} runs in the controller's own process: taking turns on one "
+                              "device fills no pipeline bubbles, and its threads' torch thread teams would slow the "
+                              "controller's own work")
+        metrics["fusion/fallback"] = 1.0
+        return _one_by_one(ctl, stage, values, step, metrics)
     if stage[0].attrs.get("schedule") == "interleave" and one_holder:
         out = group.call("update_fused", [n.model for n in stage], batches, [dict(n.attrs) for n in stage],
                          dispatch=stage[0].dispatch, step_seeds=seeds).result()
