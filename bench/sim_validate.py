@@ -20,12 +20,14 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-CALIB = [("calib_grpo", ["actor.dim=64", "prompts.batch=8"]),
+CALIB = [("calib_grpo", ["actor.dim=64", "prompts.batch=8", "use.max_tokens=4"]),
          ("calib_grpo", ["actor.dim=96", "prompts.batch=16", "use.max_tokens=64"]),
          ("calib_grpo", ["actor.dim=160", "prompts.batch=12", "use.group=8", "use.mini_batches=2"]),
-         ("calib_ppo", ["actor.dim=64", "prompts.batch=24", "use.max_tokens=24"]),
-         ("calib_ppo", ["actor.dim=128", "prompts.batch=16"]),
-         ("calib_ppo", ["actor.dim=96", "prompts.batch=8", "use.mini_batches=2", "use.group=4"])]
+         ("calib_grpo", ["actor.dim=32", "prompts.batch=32", "use.max_tokens=12"]),
+         ("calib_ppo", ["actor.dim=64", "prompts.batch=24", "use.max_tokens=24", "use.group=2"]),
+         ("calib_ppo", ["actor.dim=128", "prompts.batch=16", "use.group=4"]),
+         ("calib_ppo", ["actor.dim=96", "prompts.batch=8", "use.mini_batches=2", "use.group=8"]),
+         ("calib_ppo", ["actor.dim=48", "prompts.batch=32", "use.max_tokens=6", "use.group=4"])]
 EXAMPLES = ["longtail_grpo", "longtail_ppo", "grpo_arith", "ppo_arith", "math_word"]
 
 

@@ -3,7 +3,8 @@
 
 Each run directory gives, per step, what was computed (graph.json: the models and calls; lengths.jsonl: every
 sample's prompt and response length) and how long each call took (metrics.jsonl: `time/NODE`). Each kind of call
-is a line in the cost model's terms, fitted by least squares over all steps of all runs:
+is a line in the cost model's terms, all fitted together by non-negative least squares of the relative error over
+every step of every run (they share the elementwise term, `act_bytes`, which every kind adds per token):
 - generate: gen_call_s + decode_iter_s · iterations + (decode FLOPs / peak) / decode_mfu (prefill included,
   at the same efficiency: one instance decodes every sample together, as the local engine does);
 - a forward: fwd_call_s + (FLOPs / peak) / forward_mfu; an update call: train_call_s per model it trains +
@@ -82,14 +83,15 @@ def _forward_terms(cost: CostModel, call: Call, shape: ModelShape, step: Step) -
     """(FLOPs / peak, elementwise seconds) of one forward of `call`'s model over the step."""
     rows = [(w.prompt_id, w.prompt_len, n) for w in step for n in w.responses]
     return cost.flops(shape, rows, call.share_prefix) / cost.dev.flops, \
-        cost.act_s(shape, cost.tokens(rows, call.share_prefix))
+        cost.act_s(shape, cost.tokens(rows, call.share_prefix, shape.hidden))
 
 
 def _fit(rows: list[list[float]], y: list[float]) -> list[float]:
     """Non-negative least squares of the relative error (each row divided by its measured time, so a 5 ms call
-    counts as much as a 500 ms one), by trying every subset of the columns (there are at most three): a column
-    the runs cannot tell from the others (the decode iterations when every step hit max_tokens) gets 0, not a
-    negative number that cancels another."""
+    counts as much as a 500 ms one), exactly: the optimum is the plain least-squares fit on some subset of the
+    columns, so every subset (2^10 here) is tried and the best non-negative one kept. A column the runs cannot
+    tell from the others (the decode iterations when every step hit max_tokens) gets 0, not a negative number
+    that cancels another."""
     w = 1.0 / np.array(y, dtype=float)
     a, b = np.array(rows, dtype=float) * w[:, None], np.ones(len(y))
     best: tuple[float, list[float]] | None = None
@@ -114,37 +116,46 @@ def calibrate(run_dirs: Sequence[str | Path], cluster: Cluster | None = None) ->
     cluster = cluster or load_cluster("cpu")
     runs = [load_run(d) for d in run_dirs]
     base = CostModel(cluster, replace(Factors(), pad_to_longest=True))
-    gen_x, gen_y, fwd_x, fwd_y, upd_x, upd_y = [], [], [], [], [], []
+    # one design over every call: columns 0-2 generate (call, iterations, FLOPs), 3-4 forward (call, FLOPs),
+    # 5-7 update (models, optimizer steps, FLOPs), 8 the elementwise traffic and 9 the rows all three share
+    x: list[list[float]] = []
+    y: list[float] = []
+    kinds: list[str] = []
+
+    def row(kind: str, cols: dict[int, float], seconds: float) -> None:
+        x.append([cols.get(i, 0.0) for i in range(10)])
+        y.append(seconds)
+        kinds.append(kind)
+
     for r in runs:
         for step, t in zip(r.steps, r.times, strict=True):
+            rows = float(sum(len(w.responses) for w in step))
             g = r.work.generate
             if g.node in t:
-                gen_x.append([1.0, *_decode_terms(base, r.work.shapes[g.model], step)])
-                gen_y.append(t[g.node])
+                iters, flops, act = _decode_terms(base, r.work.shapes[g.model], step)
+                row("generate", {0: 1.0, 1: iters, 2: flops, 8: act, 9: rows}, t[g.node])
             for f in r.work.forwards:
                 if f.node in t:
-                    fwd_x.append([1.0, *_forward_terms(base, f, r.work.shapes[f.model], step)])
-                    fwd_y.append(t[f.node])
+                    flops, act = _forward_terms(base, f, r.work.shapes[f.model], step)
+                    row("forward", {3: 1.0, 4: flops, 8: act, 9: rows}, t[f.node])
             for call in r.work.update_calls():
                 if call[0].node in t:
                     terms = [_forward_terms(base, u, r.work.shapes[u.model], step) for u in call]
-                    upd_x.append([float(len(call)), float(sum(u.epochs * u.mini_batches for u in call)),
-                                  sum(3 * u.epochs * x[0] for u, x in zip(call, terms, strict=True)),
-                                  sum(3 * u.epochs * x[1] for u, x in zip(call, terms, strict=True))])
-                    upd_y.append(t[call[0].node])
-    if not gen_y or not fwd_y or not upd_y:
+                    row("update", {5: float(len(call)), 6: float(sum(u.epochs * u.mini_batches for u in call)),
+                                   7: sum(3 * u.epochs * tx[0] for u, tx in zip(call, terms, strict=True)),
+                                   8: sum(3 * u.epochs * tx[1] for u, tx in zip(call, terms, strict=True)),
+                                   9: rows * sum(u.epochs for u in call)},
+                        t[call[0].node])
+    if {"generate", "forward", "update"} - set(kinds):
         raise FlowError(Diagnostic("calibrate: the runs need generate, forward and update calls with times",
                                    hint="runs of a PPO or GRPO flow with at least two steps"))
-    g0, g1, g2, g3 = _fit(gen_x, gen_y)
-    f0, f1, f2 = _fit(fwd_x, fwd_y)
-    u0, u1, u2, u3 = _fit(upd_x, upd_y)
-    # one elementwise factor for the three kinds of call: their mean weight (each fit scales the nominal one)
-    act = base.f.act_bytes * (g3 + f2 + u3) / 3
-    factors = replace(base.f, gen_call_s=g0, decode_iter_s=g1, decode_mfu=_inv(g2), prefill_mfu=_inv(g2),
-                      fwd_call_s=f0, forward_mfu=_inv(f1), train_call_s=u0, optim_step_s=u1,
-                      train_mfu=_inv(u2), act_bytes=act)
-    err = {"generate": _error(gen_x, gen_y, [g0, g1, g2, g3]), "forward": _error(fwd_x, fwd_y, [f0, f1, f2]),
-           "update": _error(upd_x, upd_y, [u0, u1, u2, u3])}
+    c = _fit(x, y)
+    factors = replace(base.f, gen_call_s=c[0], decode_iter_s=c[1], decode_mfu=_inv(c[2]), prefill_mfu=_inv(c[2]),
+                      fwd_call_s=c[3], forward_mfu=_inv(c[4]), train_call_s=c[5], optim_step_s=c[6],
+                      train_mfu=_inv(c[7]), act_bytes=base.f.act_bytes * c[8], row_s=c[9])
+    err = {k: _error([xr for xr, kr in zip(x, kinds, strict=True) if kr == k],
+                     [yr for yr, kr in zip(y, kinds, strict=True) if kr == k], c)
+           for k in ("generate", "forward", "update")}
     model = CostModel(cluster, factors)
     steps = {}
     for r in runs:

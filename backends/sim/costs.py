@@ -39,6 +39,7 @@ class Factors:
     fwd_call_s: float = 0.02
     train_call_s: float = 0.05  # per model an update call trains
     optim_step_s: float = 0.0  # per optimizer step (epochs x mini-batches): clipping, Adam, zeroing
+    row_s: float = 0.0  # per sample a call handles (bookkeeping that neither FLOPs nor bytes count)
     act_bytes: float = 40.0  # bytes of elementwise traffic (norms, activations, residuals) per hidden unit, layer, token
     tp_latency_s: float = 1e-5  # one all-reduce's latency
     cold_start_s: float = 20.0  # an instance process and engine starting, before its weights arrive
@@ -84,22 +85,36 @@ class CostModel:
             + self.act_s(shape, batch) / tp
         return self.f.decode_iter_s + max(memory, compute) + self._tp_comm(shape, tp)
 
-    def tokens(self, rows: Sequence[Row], share_prefix: bool = False) -> float:
-        """Tokens a forward or training pass computes over rows of (prompt id, prompt length, response length):
-        each prompt once when `share_prefix` (flowrl's share-prefix pass: a prompt's samples share its
-        prefix), and padded to the longest row (prompts and responses apart when shared) with `pad_to_longest`."""
+    def tokens(self, rows: Sequence[Row], share_prefix: bool = False, hidden: int = 0) -> float:
+        """Tokens a forward or training pass computes over rows of (prompt id, prompt length, response length).
+
+        Unpadded (`pad_to_longest` off, as verl's remove-padding kernels): every token once, each prompt once
+        when `share_prefix`. Padded (flowrl's torch engine): rows padded to the longest; with `share_prefix`
+        each prompt runs once (padded to the longest prompt) and its samples either run packed into one row per
+        prompt (padded to the longest such row) or each on a copy of the prompt's cache (padded to the longest
+        response, the copy costing 1/16 of a token a prompt token), whichever the engine's rule
+        (flowrl.engines.packing_cost.packing_pays) finds cheaper for a model of width `hidden`."""
         if not rows:
             return 0.0
         if not share_prefix:
             lens = [p + r for _, p, r in rows]
             return float(len(lens) * max(lens)) if self.f.pad_to_longest else float(sum(lens))
         prompts = {pid: p for pid, p, _ in rows}
-        if self.f.pad_to_longest:
-            return float(len(prompts) * max(prompts.values()) + len(rows) * max(r for _, _, r in rows))
-        return float(sum(prompts.values()) + sum(r for _, _, r in rows))
+        if not self.f.pad_to_longest:
+            return float(sum(prompts.values()) + sum(r for _, _, r in rows))
+        width_p, width_r = max(prompts.values()), max(r for _, _, r in rows)
+        per: dict[int, int] = {}
+        for pid, _, r in rows:
+            per[pid] = per.get(pid, 0) + max(0, r - 1)
+        q = max(per.values())
+        per_place = 1.0 / (6 * max(1, hidden or 768))
+        packed = len(per) * q * (1 + (width_p + q) * per_place)
+        copies = len(rows) * (width_r - 1) * (1 + (width_p + width_r - 1) * per_place) + len(rows) * width_p / 16
+        body = len(per) * q if packed <= copies else len(rows) * (width_r - 1) + len(rows) * width_p / 16
+        return float(len(prompts) * width_p + body)
 
     def flops(self, shape: ModelShape, rows: Sequence[Row], share_prefix: bool) -> float:
-        tok = self.tokens(rows, share_prefix)
+        tok = self.tokens(rows, share_prefix, shape.hidden)
         mean_ctx = sum(p + r for _, p, r in rows) / max(1, len(rows)) / 2
         return tok * shape.flops_per_token(mean_ctx)
 
@@ -112,12 +127,12 @@ class CostModel:
                   share_prefix: bool = False) -> float:
         bubble = (pp - 1) / max(1, micro)
         work = self.flops(shape, rows, share_prefix) / (self.dev.flops * self.f.forward_mfu) + \
-            self.act_s(shape, self.tokens(rows, share_prefix))
-        return self.f.fwd_call_s + work / devices * (1 + bubble)
+            self.act_s(shape, self.tokens(rows, share_prefix, shape.hidden))
+        return self.f.fwd_call_s + (work + self.f.row_s * len(rows)) / devices * (1 + bubble)
 
     def train_s(self, shape: ModelShape, rows: Sequence[Row], devices: int, epochs: int = 1, mini_batches: int = 1,
                 tp: int = 1, pp: int = 1, micro: int = 1, share_prefix: bool = False) -> float:
-        tok = self.tokens(rows, share_prefix)
+        tok = self.tokens(rows, share_prefix, shape.hidden)
         flops = 3 * self.flops(shape, rows, share_prefix) * epochs
         bubble = (pp - 1) / max(1, micro)
         compute = (flops / (self.dev.flops * self.f.train_mfu) + 3 * epochs * self.act_s(shape, tok)) / devices \
@@ -126,7 +141,7 @@ class CostModel:
         # tensor parallel: 4 all-reduces of the activations per layer (2 forward, 2 backward) on each device
         tp_comm = 0.0 if tp == 1 else 4 * epochs * (shape.layers / pp) * (tok / dp) * shape.hidden * BYTES * 2 \
             * (tp - 1) / tp / self.cluster.intra_bw
-        compute += tp_comm
+        compute += tp_comm + self.f.row_s * len(rows) * epochs / devices
         grad_bytes = shape.weight_bytes / (tp * pp)
         sync = 0.0 if dp == 1 else 2 * grad_bytes * (dp - 1) / dp / self.cluster.link_bw(devices)
         return self.f.train_call_s + compute + epochs * mini_batches * (sync + self.f.optim_step_s)

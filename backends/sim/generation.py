@@ -5,7 +5,7 @@ instance's batch is fixed, so every decode iteration costs the same (`CostModel.
 KV context at the segment's start) and the clock jumps straight to the next event: the next sequence to finish,
 or sequences migrated to it arriving. Admitting sequences costs their prefill (a prompt once per instance: its
 samples share it, as share-prefix and vLLM's prefix cache do), and each instance's call starts with the fixed
-`gen_call_s`. An instance releases its devices when it has
+`gen_call_s` and `row_s` per sample. An instance releases its devices when it has
 nothing left. A policy hook runs after every finish and may move an instance's unfinished sequences elsewhere
 (`Gen.migrate`): they keep their progress and KV cache, which crosses the link first.
 """
@@ -146,9 +146,10 @@ class Gen:
         self.migrations.append((now, source.iid, target.iid, len(moving)))
 
     def run(self) -> GenResult:
-        for inst in self.inst:  # the call's fixed cost (launch, sampling setup) first
-            inst.clock += self.cost.f.gen_call_s
-            inst.busy += self.cost.f.gen_call_s
+        for inst in self.inst:  # the call's fixed cost (launch, sampling setup) and per-sample bookkeeping first
+            setup = self.cost.f.gen_call_s + self.cost.f.row_s * len(inst.queue)
+            inst.clock += setup
+            inst.busy += setup
             self._admit(inst)
             self._schedule(inst)
         while self._heap:
