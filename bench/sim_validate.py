@@ -4,7 +4,8 @@ step time of the shipped example flows (none of them calibrated on) and compare 
     python bench/sim_validate.py [--steps 12] [--repeats 2] [--out bench/out/sim_validate]
 
 Every run is the local backend on this machine, one after another (nothing else running). Calibration: the
-two flows in bench/calib/ at several model widths, batches and response caps (`CALIB` below). Validation: each
+four flows in bench/calib/ (GRPO and PPO, on long-tailed prompts with a shared prefix and on short arithmetic
+ones) at several model widths, batches, samples per prompt and response caps (`CALIB` below). Validation: each
 example flow run `--repeats` times, alternated; the simulator replays each run's own lengths (`--trace`: the
 same content, and the rewards' measured time per sample, which is user code) on the `cpu` cluster under the
 `serverful` policy with the calibrated factors, and its mean step time (first step out) is set beside the
@@ -27,7 +28,11 @@ CALIB = [("calib_grpo", ["actor.dim=64", "prompts.batch=8", "use.max_tokens=4"])
          ("calib_ppo", ["actor.dim=64", "prompts.batch=24", "use.max_tokens=24", "use.group=2"]),
          ("calib_ppo", ["actor.dim=128", "prompts.batch=16", "use.group=4"]),
          ("calib_ppo", ["actor.dim=96", "prompts.batch=8", "use.mini_batches=2", "use.group=8"]),
-         ("calib_ppo", ["actor.dim=48", "prompts.batch=32", "use.max_tokens=6", "use.group=4"])]
+         ("calib_ppo", ["actor.dim=48", "prompts.batch=32", "use.max_tokens=6", "use.group=4"]),
+         ("calib_short", ["actor.dim=48", "prompts.batch=24", "use.max_tokens=3", "use.group=6"]),
+         ("calib_short", ["actor.dim=80", "prompts.batch=12", "use.max_tokens=6", "use.group=4"]),
+         ("calib_short_ppo", ["actor.dim=80", "prompts.batch=24", "use.max_tokens=3", "use.group=4"]),
+         ("calib_short_ppo", ["actor.dim=48", "prompts.batch=12", "use.max_tokens=8", "use.group=6"])]
 EXAMPLES = ["longtail_grpo", "longtail_ppo", "grpo_arith", "ppo_arith", "math_word"]
 
 

@@ -79,11 +79,11 @@ def _decode_terms(cost: CostModel, shape: ModelShape, step: Step) -> tuple[float
     return iters, flops / cost.dev.flops, cost.act_s(shape, tokens)
 
 
-def _forward_terms(cost: CostModel, call: Call, shape: ModelShape, step: Step) -> tuple[float, float]:
-    """(FLOPs / peak, elementwise seconds) of one forward of `call`'s model over the step."""
+def _forward_terms(cost: CostModel, call: Call, shape: ModelShape, step: Step, parts: int = 1) -> tuple[float, float]:
+    """(FLOPs / peak, elementwise seconds) of one pass of `call`'s model over the step, in `parts` mini-batches."""
     rows = [(w.prompt_id, w.prompt_len, n) for w in step for n in w.responses]
-    return cost.flops(shape, rows, call.share_prefix) / cost.dev.flops, \
-        cost.act_s(shape, cost.tokens(rows, call.share_prefix, shape.hidden))
+    return cost.flops(shape, rows, call.share_prefix, parts) / cost.dev.flops, \
+        cost.act_s(shape, cost.batch_tokens(rows, call.share_prefix, shape.hidden, parts))
 
 
 def _fit(rows: list[list[float]], y: list[float]) -> list[float]:
@@ -140,7 +140,9 @@ def calibrate(run_dirs: Sequence[str | Path], cluster: Cluster | None = None) ->
                     row("forward", {3: 1.0, 4: flops, 8: act, 9: rows}, t[f.node])
             for call in r.work.update_calls():
                 if call[0].node in t:
-                    terms = [_forward_terms(base, u, r.work.shapes[u.model], step) for u in call]
+                    terms = [_forward_terms(base, u, r.work.shapes[u.model], step,
+                                            u.mini_batches if u.mini_batches > 1 or u.epochs > 1 else 1)
+                             for u in call]
                     row("update", {5: float(len(call)), 6: float(sum(u.epochs * u.mini_batches for u in call)),
                                    7: sum(3 * u.epochs * tx[0] for u, tx in zip(call, terms, strict=True)),
                                    8: sum(3 * u.epochs * tx[1] for u, tx in zip(call, terms, strict=True)),

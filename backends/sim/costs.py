@@ -16,6 +16,7 @@ them on flowrl's own measured runs and stores them with their error (see `calibr
 from __future__ import annotations
 
 import json
+import random
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
@@ -113,10 +114,23 @@ class CostModel:
         body = len(per) * q if packed <= copies else len(rows) * (width_r - 1) + len(rows) * width_p / 16
         return float(len(prompts) * width_p + body)
 
-    def flops(self, shape: ModelShape, rows: Sequence[Row], share_prefix: bool) -> float:
-        tok = self.tokens(rows, share_prefix, shape.hidden)
+    def flops(self, shape: ModelShape, rows: Sequence[Row], share_prefix: bool, parts: int = 1) -> float:
+        """FLOPs of one pass over `rows`, in `parts` mini-batches (see `mini_batches`)."""
+        tok = self.batch_tokens(rows, share_prefix, shape.hidden, parts)
         mean_ctx = sum(p + r for _, p, r in rows) / max(1, len(rows)) / 2
         return tok * shape.flops_per_token(mean_ctx)
+
+    def batch_tokens(self, rows: Sequence[Row], share_prefix: bool, hidden: int, parts: int = 1) -> float:
+        """`tokens` summed over the `parts` mini-batches an update splits the rows into: the rows shuffled (a
+        fixed permutation stands in for the update's seeded one) and cut into near-equal parts, each laid out
+        on its own. A prompt's samples then land in several mini-batches, so shared prefixes and packed rows
+        save less than over the whole batch."""
+        if parts <= 1:
+            return self.tokens(rows, share_prefix, hidden)
+        order = list(rows)
+        random.Random(0).shuffle(order)
+        size = -(-len(order) // parts)
+        return sum(self.tokens(order[i:i + size], share_prefix, hidden) for i in range(0, len(order), size))
 
     def act_s(self, shape: ModelShape, tokens: float) -> float:
         """Elementwise, memory-bound work over `tokens` tokens on one device (what FLOPs do not count; it
@@ -132,8 +146,9 @@ class CostModel:
 
     def train_s(self, shape: ModelShape, rows: Sequence[Row], devices: int, epochs: int = 1, mini_batches: int = 1,
                 tp: int = 1, pp: int = 1, micro: int = 1, share_prefix: bool = False) -> float:
-        tok = self.tokens(rows, share_prefix, shape.hidden)
-        flops = 3 * self.flops(shape, rows, share_prefix) * epochs
+        parts = mini_batches if mini_batches > 1 or epochs > 1 else 1  # the update shuffles only then
+        tok = self.batch_tokens(rows, share_prefix, shape.hidden, parts)
+        flops = 3 * self.flops(shape, rows, share_prefix, parts) * epochs
         bubble = (pp - 1) / max(1, micro)
         compute = (flops / (self.dev.flops * self.f.train_mfu) + 3 * epochs * self.act_s(shape, tok)) / devices \
             * (1 + bubble)
