@@ -3,8 +3,8 @@
 
 Each run directory gives, per step, what was computed (graph.json: the models and calls; lengths.jsonl: every
 sample's prompt and response length) and how long each call took (metrics.jsonl: `time/NODE`). Each kind of call
-is a line in the cost model's terms, all fitted together by non-negative least squares of the relative error over
-every step of every run (they share the elementwise term, `act_bytes`, which every kind adds per token):
+is a line in the cost model's terms, all fitted together by non-negative least squares over
+every step of every run, weighted by each call's mean time (they share the elementwise term, `act_bytes`, which every kind adds per token):
 - generate: gen_call_s + decode_iter_s · iterations + (decode FLOPs / peak) / decode_mfu (prefill included,
   at the same efficiency: one instance decodes every sample together, as the local engine does);
 - a forward: fwd_call_s + (FLOPs / peak) / forward_mfu; an update call: train_call_s per model it trains +
@@ -40,6 +40,7 @@ class Run:
     work: FlowWork
     steps: list[Step]
     times: list[dict[str, float]]  # per step: node -> seconds, and "step"
+    unfused: frozenset[str] = frozenset()  # fused stages the backend ran one by one (run.json), by first node
 
 
 def load_run(run_dir: str | Path, skip: int = 1) -> Run:
@@ -62,7 +63,8 @@ def load_run(run_dir: str | Path, skip: int = 1) -> Run:
             raise FlowError(f"{path / 'metrics.jsonl'}:{lineno}: not a metrics row ({e})") from None
     work = controller_times(flow_work(graph, prompts=len(steps[0]) if steps else None), path)
     n = min(len(steps), len(times))
-    return Run(path, work, steps[skip:n], times[skip:n])
+    info = json.loads((path / "run.json").read_text(encoding="utf-8")) if (path / "run.json").is_file() else {}
+    return Run(path, work, steps[skip:n], times[skip:n], frozenset(info.get("unfused", {})))
 
 
 def _decode_terms(cost: CostModel, shape: ModelShape, step: Step) -> tuple[float, float, float]:
@@ -86,14 +88,14 @@ def _forward_terms(cost: CostModel, call: Call, shape: ModelShape, step: Step, p
         cost.act_s(shape, cost.batch_tokens(rows, call.share_prefix, shape.hidden, parts))
 
 
-def _fit(rows: list[list[float]], y: list[float]) -> list[float]:
-    """Non-negative least squares of the relative error (each row divided by its measured time, so a 5 ms call
-    counts as much as a 500 ms one), exactly: the optimum is the plain least-squares fit on some subset of the
-    columns, so every subset (2^10 here) is tried and the best non-negative one kept. A column the runs cannot
-    tell from the others (the decode iterations when every step hit max_tokens) gets 0, not a negative number
-    that cancels another."""
-    w = 1.0 / np.array(y, dtype=float)
-    a, b = np.array(rows, dtype=float) * w[:, None], np.ones(len(y))
+def _fit(rows: list[list[float]], y: list[float], scale: list[float]) -> list[float]:
+    """Non-negative least squares, each row divided by `scale` (the mean time of its run's call: a 5 ms call
+    counts as much as a 500 ms one, and a noisy step is not pulled towards zero as dividing by its own time
+    would), exactly: the optimum is the plain least-squares fit on some subset of the columns, so every subset
+    (2^10 here) is tried and the best non-negative one kept. A column the runs cannot tell from the others
+    (the decode iterations when every step hit max_tokens) gets 0, not a negative number that cancels another."""
+    w = 1.0 / np.array(scale, dtype=float)
+    a, b = np.array(rows, dtype=float) * w[:, None], np.array(y, dtype=float) * w
     best: tuple[float, list[float]] | None = None
     for mask in itertools.product((0, 1), repeat=a.shape[1]):
         cols = [i for i, m in enumerate(mask) if m]
@@ -122,10 +124,13 @@ def calibrate(run_dirs: Sequence[str | Path], cluster: Cluster | None = None) ->
     y: list[float] = []
     kinds: list[str] = []
 
-    def row(kind: str, cols: dict[int, float], seconds: float) -> None:
+    groups: list[tuple[str, str]] = []
+
+    def row(kind: str, cols: dict[int, float], seconds: float, node: str) -> None:
         x.append([cols.get(i, 0.0) for i in range(10)])
         y.append(seconds)
         kinds.append(kind)
+        groups.append((str(r.path), node))
 
     for r in runs:
         for step, t in zip(r.steps, r.times, strict=True):
@@ -133,13 +138,17 @@ def calibrate(run_dirs: Sequence[str | Path], cluster: Cluster | None = None) ->
             g = r.work.generate
             if g.node in t:
                 iters, flops, act = _decode_terms(base, r.work.shapes[g.model], step)
-                row("generate", {0: 1.0, 1: iters, 2: flops, 8: act, 9: rows}, t[g.node])
+                row("generate", {0: 1.0, 1: iters, 2: flops, 8: act, 9: rows}, t[g.node], g.node)
             for f in r.work.forwards:
                 if f.node in t:
                     flops, act = _forward_terms(base, f, r.work.shapes[f.model], step)
-                    row("forward", {3: 1.0, 4: flops, 8: act, 9: rows}, t[f.node])
+                    row("forward", {3: 1.0, 4: flops, 8: act, 9: rows}, t[f.node], f.node)
             for call in r.work.update_calls():
-                if call[0].node in t:
+                if all(u.node in t for u in call):
+                    # a fused stage reports its whole time for each member; run one by one (the backend declined
+                    # the fusion and said so in run.json), each reports its own
+                    times = [t[u.node] for u in call]
+                    seconds = sum(times) if call[0].node in r.unfused else times[0]
                     terms = [_forward_terms(base, u, r.work.shapes[u.model], step,
                                             u.mini_batches if u.mini_batches > 1 or u.epochs > 1 else 1)
                              for u in call]
@@ -147,11 +156,12 @@ def calibrate(run_dirs: Sequence[str | Path], cluster: Cluster | None = None) ->
                                    7: sum(3 * u.epochs * tx[0] for u, tx in zip(call, terms, strict=True)),
                                    8: sum(3 * u.epochs * tx[1] for u, tx in zip(call, terms, strict=True)),
                                    9: rows * sum(u.epochs for u in call)},
-                        t[call[0].node])
+                        seconds, call[0].node)
     if {"generate", "forward", "update"} - set(kinds):
         raise FlowError(Diagnostic("calibrate: the runs need generate, forward and update calls with times",
                                    hint="runs of a PPO or GRPO flow with at least two steps"))
-    c = _fit(x, y)
+    mean = {g: float(np.mean([yr for yr, gr in zip(y, groups, strict=True) if gr == g])) for g in set(groups)}
+    c = _fit(x, y, [mean[g] for g in groups])
     factors = replace(base.f, gen_call_s=c[0], decode_iter_s=c[1], decode_mfu=_inv(c[2]), prefill_mfu=_inv(c[2]),
                       fwd_call_s=c[3], forward_mfu=_inv(c[4]), train_call_s=c[5], optim_step_s=c[6],
                       train_mfu=_inv(c[7]), act_bytes=base.f.act_bytes * c[8], row_s=c[9])
