@@ -166,7 +166,8 @@ class ServerlessGroup:
         predicted = self.lengths.predict(ids, fallback=0.0)
         samples = int(str(attrs.get("n", 1))) if isinstance(attrs, Mapping) else 1
         return choose_instances(predicted, samples, range(1, self.world + 1), DecodeCurve(self.decode),
-                                self.cost_weight, start_s=self.overhead_s)
+                                self.cost_weight, start_s=self.overhead_s,
+                                profiles=self.lengths.predict_profiles(ids, samples, fallback=0.0))
 
     def _measure(self, results: Sequence[Any], used: Sequence[Usage], choice: ScaleChoice | None,
                  wall_s: float) -> None:

@@ -177,10 +177,11 @@ class CostModel:
     def start_s(self, shape: ModelShape, tp: int = 1) -> float:
         return self.f.cold_start_s + shape.weight_bytes / tp / self.f.host_bw
 
-    def slots(self, shape: ModelShape, tp: int, context: int) -> int:
-        """Sequences of `context` tokens an instance of `tp` devices holds at once (KV cache in what weights
-        leave of 90% of memory); 0 when the weights alone do not fit."""
-        free = 0.9 * tp * self.dev.memory - shape.weight_bytes
+    def slots(self, shape: ModelShape, tp: int, context: int, share: float = 0.9) -> int:
+        """Sequences of `context` tokens an instance of `tp` devices holds at once: KV cache in what the weights
+        leave of the `share` of memory the engine may take (vLLM's gpu_memory_utilization); 0 when the weights
+        alone do not fit."""
+        free = share * tp * self.dev.memory - shape.weight_bytes
         per_seq = max(1.0, context * shape.kv_bytes_per_token)
         return max(0, int(free // per_seq))
 

@@ -80,6 +80,8 @@ class Options:
     window: int = 4  # rlhfless: EWMA window of the length predictor
     prewarm: bool = True  # rlhfless: instances start before the stage (from the step history)
     rollout_devices: int | None = None  # pipe-rlhf: the rollout pool (None: searched)
+    colocated_memory: float = 0.5  # serverful, rlhfuse: generation's share of a device training also holds
+    # (verl's default rollout gpu_memory_utilization); dedicated generation devices use 0.9
 
 
 def seqs_of(step: Step) -> list[Seq]:
@@ -87,21 +89,24 @@ def seqs_of(step: Step) -> list[Seq]:
             enumerate((w, n) for w in step for n in w.responses)]
 
 
-def gen_tp(cost: CostModel, work: FlowWork, opts: Options) -> int:
+def gen_tp(cost: CostModel, work: FlowWork, opts: Options, share: float = 0.9) -> int:
+    """Devices per generation instance: `--gen-tp`, else the fewest (within a node) whose weights take at most
+    half of the memory generation may use, the rest for KV cache."""
     shape = work.shapes[work.generate.model]
     if opts.gen_tp:
         return opts.gen_tp
     tp = 1
-    while shape.weight_bytes > 0.5 * tp * cost.dev.memory and tp < cost.cluster.per_node:
+    while shape.weight_bytes > share / 2 * tp * cost.dev.memory and tp < cost.cluster.per_node:
         tp *= 2
     return tp
 
 
-def slots_of(cost: CostModel, work: FlowWork, tp: int) -> int:
+def slots_of(cost: CostModel, work: FlowWork, tp: int, share: float = 0.9) -> int:
     shape = work.shapes[work.generate.model]
-    slots = cost.slots(shape, tp, max(w for w in [work.max_tokens + 256]))
+    slots = cost.slots(shape, tp, work.max_tokens + 256, share)
     if slots < 1:
-        raise FlowError(Diagnostic(f"{shape.name} does not fit on {tp} x {cost.dev.name}",
+        raise FlowError(Diagnostic(f"{shape.name} does not fit on {tp} x {cost.dev.name} (with {share:.0%} of memory "
+                                   f"for generation)",
                                    hint="pass --gen-tp with more devices per instance, or a bigger device"))
     return slots
 
@@ -171,10 +176,13 @@ class Serverful:
     def __init__(self, cost: CostModel, work: FlowWork, opts: Options):
         self.cost, self.work, self.opts = cost, work, opts
         self.devices = cost.cluster.devices
-        self.tp = gen_tp(cost, work, opts)
+        self.tp = gen_tp(cost, work, opts, self.memory_share())
         self.instances = max(1, self.devices // self.tp)
-        self.slots = slots_of(cost, work, self.tp)
+        self.slots = slots_of(cost, work, self.tp, self.memory_share())
         check_training_fits(cost, work, self.devices)
+
+    def memory_share(self) -> float:
+        return self.opts.colocated_memory
 
     def generation(self, seqs: list[Seq], t0: float) -> Gen:
         return Gen(self.cost, self.work.shapes[self.work.generate.model], self.tp, self.slots,
@@ -275,6 +283,9 @@ class RLHFuse(Serverful):
 class RLHFless(Serverful):
     name = "rlhfless"
 
+    def memory_share(self) -> float:
+        return 0.9  # instances hold their devices alone
+
     def __init__(self, cost: CostModel, work: FlowWork, opts: Options):
         super().__init__(cost, work, opts)
         self.predictor = LengthPredictor(window=opts.window)
@@ -296,10 +307,11 @@ class RLHFless(Serverful):
         load = self.cost.weight_sync_s(shape, 1, colocated=False) + shape.weight_bytes / self.tp / \
             self.cost.f.host_bw
         cold = self.cost.f.cold_start_s
+        profiles = self.predictor.predict_profiles(ids, self.work.samples, fallback=self.work.max_tokens / 2)
         choice = choose_instances(predicted, self.work.samples, range(1, self.instances + 1),
                                   self.curve(sum(w.prompt_len for w in step) / len(step) +
                                              sum(predicted) / len(predicted) / 2),
-                                  self.opts.cost_weight, start_s=load)
+                                  self.opts.cost_weight, start_s=load, profiles=profiles)
         n = choice.chosen.instances
         by_prompt: dict[int, list[Seq]] = {}
         for s in seqs:
@@ -350,9 +362,9 @@ class PipeRLHF(Serverful):
         self.slots = slots_of(cost, work, self.tp)
         self.devices = cost.cluster.devices
         self.split = opts.rollout_devices
-        self.last = 0.0
 
-    def _run(self, seqs: list[Seq], rollout: int) -> tuple[GenResult, float, float, list[Span]]:
+    def _run(self, step: Step, rollout: int) -> tuple[GenResult, float, float, list[Span]]:
+        seqs = seqs_of(step)  # fresh: a generation consumes its sequences
         train = self.devices - rollout
         instances = max(1, rollout // self.tp)
         gen = Gen(self.cost, self.work.shapes[self.work.generate.model], self.tp, self.slots,
@@ -361,7 +373,6 @@ class PipeRLHF(Serverful):
         return gen, end, busy, spans
 
     def step(self, step: Step) -> StepResult:
-        seqs = seqs_of(step)
         if self.split is None:  # search the rollout pool's size on the first step's content
             options = [r for r in range(self.tp, self.devices, self.tp)
                        if self._fits(self.devices - r)]
@@ -369,10 +380,10 @@ class PipeRLHF(Serverful):
                 raise FlowError(Diagnostic(f"pipe-rlhf needs a train pool that holds training and a rollout pool; "
                                            f"{self.devices} devices are too few"))
             def step_s(r: int) -> float:
-                gen, train_end, _, _ = self._run(seqs, r)
+                gen, train_end, _, _ = self._run(step, r)
                 return max(gen.end, train_end)
             self.split = min(options, key=step_s)
-        gen, train_end, busy, spans = self._run(seqs, self.split)
+        gen, train_end, busy, spans = self._run(step, self.split)
         shape = self.work.shapes[self.work.generate.model]
         sync = self.cost.weight_sync_s(shape, self.devices - self.split, colocated=False)
         time = max(gen.end, train_end) + sync  # one step off: rollout of t+1 beside training of t

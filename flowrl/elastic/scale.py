@@ -1,7 +1,8 @@
 """Cost-aware instance count (flowrl.elastic).
 
 For each candidate count N of generation instances, the step's generation time T(N) and device-seconds C(N) are
-estimated from the predicted response lengths, the length-ranked assignment (`ranked_runs`) and a measured
+estimated from the predicted response lengths (each prompt's predicted sample lengths when known: an instance
+holding a group waits for its longest sample), the length-ranked assignment (`ranked_runs`) and a measured
 time-per-decode-step curve: an instance decodes its samples together, each decode step costing what the curve
 says for the number still running, and releases its device when its last sample ends. T(N) is the slowest
 instance plus the start-up time, C(N) the sum over instances of start-up plus decoding. The choice is
@@ -56,10 +57,13 @@ def decode_seconds(lengths: Iterable[float], curve: DecodeCurve) -> float:
 
 
 def estimate(predicted: Sequence[float], samples: int, instances: int, curve: DecodeCurve,
-             start_s: float = 0.0) -> tuple[float, float]:
-    """(T, C) for `instances` instances: `predicted[i]` is prompt i's length, each prompt drawn `samples` times."""
-    times = [decode_seconds([predicted[i] for i in run for _ in range(samples)], curve)
-             for run in ranked_runs(predicted, instances)]
+             start_s: float = 0.0, profiles: Sequence[Sequence[float]] | None = None) -> tuple[float, float]:
+    """(T, C) for `instances` instances: `predicted[i]` is prompt i's length, each prompt drawn `samples` times;
+    with `profiles`, prompt i's samples are `profiles[i]` instead of `samples` copies of its mean (prompts are
+    still ranked by `predicted`)."""
+    def lengths(i: int) -> Sequence[float]:
+        return profiles[i] if profiles is not None else [predicted[i]] * samples
+    times = [decode_seconds([n for i in run for n in lengths(i)], curve) for run in ranked_runs(predicted, instances)]
     if not times:
         return 0.0, 0.0
     return start_s + max(times), sum(start_s + t for t in times)
@@ -80,14 +84,16 @@ class ScaleChoice:
 
 
 def choose_instances(predicted: Sequence[float], samples: int, counts: Iterable[int], curve: DecodeCurve,
-                     weight: float, start_s: float = 0.0) -> ScaleChoice:
-    """The candidate count with the lowest cost-weighted score (see the module docstring)."""
+                     weight: float, start_s: float = 0.0,
+                     profiles: Sequence[Sequence[float]] | None = None) -> ScaleChoice:
+    """The candidate count with the lowest cost-weighted score (see the module docstring); `profiles`: each
+    prompt's predicted sample lengths (`LengthPredictor.predict_profiles`), when known."""
     if not 0.0 <= weight <= 1.0:
         raise ValueError(f"cost weight must be in [0, 1], got {weight}")
     ns = sorted(set(counts))
     if not ns or ns[0] < 1:
         raise ValueError(f"candidate instance counts must be >= 1, got {ns}")
-    est = [(n, *estimate(predicted, samples, n, curve, start_s)) for n in ns]
+    est = [(n, *estimate(predicted, samples, n, curve, start_s, profiles)) for n in ns]
     t_ref = min(t for _, t, _ in est) or 1.0
     c_ref = min(c for _, _, c in est) or 1.0
     cands = tuple(Candidate(n, t, c, weight * t / t_ref + (1.0 - weight) * c / c_ref) for n, t, c in est)

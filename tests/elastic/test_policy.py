@@ -121,3 +121,35 @@ def test_estimate_and_the_cost_weighted_choice() -> None:
     assert choose_instances(predicted, 1, [1, 2, 4], busy, weight=0.0).chosen.instances == 1
     with pytest.raises(ValueError):
         choose_instances(predicted, 1, [1], busy, weight=1.5)
+
+
+def test_profiles_keep_each_prompts_spread_of_sample_lengths() -> None:
+    p = LengthPredictor(window=1)  # alpha 1: the last step only
+    p.observe(["a"] * 4 + ["b"] * 4, [2, 10, 4, 4, 5, 5, 5, 5])
+    assert p.predict(["a", "b"], fallback=0.0) == [5.0, 5.0]  # the same mean ...
+    # ... but a's group waits for a sample of 10
+    assert p.predict_profiles(["a", "b"], 4, fallback=0.0) == [[2.0, 4.0, 4.0, 10.0], [5.0, 5.0, 5.0, 5.0]]
+    # a new prompt: its predicted mean (the seen ones' mean, 5) times the average shape
+    # ([0.4, 0.8, 0.8, 2.0] and [1, 1, 1, 1] -> [0.7, 0.9, 0.9, 1.5])
+    assert p.predict_profiles(["c"], 4, fallback=0.0)[0] == pytest.approx([3.5, 4.5, 4.5, 7.5])
+    # another group size: the profile resampled at evenly spaced quantiles
+    assert p.predict_profiles(["a"], 2, fallback=0.0) == [[2.0, 10.0]]
+    assert p.predict_profiles(["a"], 7, fallback=0.0)[0] == pytest.approx([2, 3, 4, 4, 4, 7, 10])
+    # EWMA per position of the sorted lengths (window 3: alpha 0.5)
+    q = LengthPredictor(window=3)
+    q.observe(["a", "a"], [2, 8])
+    q.observe(["a", "a"], [6, 4])
+    assert q.predict_profiles(["a"], 2, fallback=0.0) == [[3.0, 7.0]]
+    restored = LengthPredictor(window=3)
+    restored.load_state_dict(q.state_dict())
+    assert restored.predict_profiles(["a"], 2, fallback=0.0) == [[3.0, 7.0]]
+
+
+def test_estimate_with_profiles_waits_for_each_groups_longest_sample() -> None:
+    curve = DecodeCurve({1: 1.0})
+    predicted = [5.0, 5.0]
+    # as means: every sample 5 steps; with the profiles, the instance holding prompt 0 runs 10 steps
+    assert estimate(predicted, 2, 1, curve) == (5.0, 5.0)
+    assert estimate(predicted, 2, 2, curve, profiles=[[0.0, 10.0], [5.0, 5.0]]) == (10.0, 15.0)
+    choice = choose_instances(predicted, 2, [1, 2], curve, weight=1.0, profiles=[[0.0, 10.0], [5.0, 5.0]])
+    assert [(c.instances, c.time_s) for c in choice.candidates] == [(1, 10.0), (2, 10.0)]

@@ -167,3 +167,14 @@ def test_rlhfuse_moves_the_tail_and_overlaps_forwards_on_freed_devices():
     fused = policies.make("rlhfuse", cost, work(), policies.Options(gen_tp=1, rt=0.2)).step(step)
     assert fused.notes["migrations"] == 0  # the tail is one sequence already alone on its instance
     assert fused.time <= base.time + 1e-12
+
+
+def test_pipe_rlhf_searches_the_rollout_pool_on_fresh_sequences():
+    # every candidate split is timed on the step's own work (a generation consumes its sequences)
+    cost = ToyCost(devices=8, fwd_call_s=0.05, train_call_s=0.2)
+    step = tuple(PromptWork(p, 4, (n,)) for p, n in enumerate([30, 30, 30, 30, 30, 30, 30, 30]))
+    pol = policies.PipeRLHF(cost, work(), policies.Options(gen_tp=1))
+    res = pol.step(step)
+    best = min(range(1, 8), key=lambda r: max(pol._run(step, r)[0].end, pol._run(step, r)[1]))
+    assert res.notes["rollout_devices"] == best
+    assert res.time == pytest.approx(max(pol._run(step, best)[0].end, pol._run(step, best)[1]))
