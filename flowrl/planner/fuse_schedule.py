@@ -8,7 +8,8 @@ backward its forward, a backward the next stage's backward; a node runs one task
 stage of model 0 and one stage of one copy of model 1, whose pipeline bubbles the other fills.
 
 Solved in three steps: list scheduling (a free node starts, among its ready tasks, the one with the longest path
-still behind it, backwards first or not; the best of a plain run and randomised restarts), then simulated
+still behind it, backwards first or not; the best of a plain run, randomised restarts and model 0 in 1F1B order
+with model 1 filling its bubbles), then simulated
 annealing over each node's task order (moves: a task moved to another place in its node's order; orders that
 deadlock are rejected), first for the makespan, then for the lowest peak activation memory at that makespan
 (a micro-batch holds P_j on a node from the start of its forward there to the end of its backward there). The
@@ -178,11 +179,60 @@ def greedy(g: _Graph, rng: random.Random | None = None, noise: float = 0.0,
     return orders
 
 
+def bubble_fill(g: _Graph) -> list[list[int]]:
+    """RLHFuse's other starting point: model 0 in 1F1B order on its own (it meets its pipeline bound), then each
+    of model 1's tasks, in dependency order, at the earliest time on its node that fits between the tasks
+    already placed there, so model 1 fills model 0's bubbles without delaying it."""
+    p = g.p
+    index = {t: i for i, t in enumerate(g.tasks)}
+    orders: list[list[int]] = [[] for _ in range(p.a)]
+    for stage in range(p.a):  # 1F1B: warm-up forwards, one forward one backward, cool-down backwards
+        m, warm = p.mbs(0), min(p.a - stage - 1, p.mbs(0))
+        seq = [("F", k) for k in range(warm)]
+        for k in range(m - warm):
+            seq += [("F", warm + k), ("B", k)]
+        seq += [("B", k) for k in range(m - warm, m)]
+        orders[stage] = [index[Task(0, 0, k, stage, kind)] for kind, k in seq]
+    placed = _times(g, orders)
+    busy: list[list[tuple[float, float]]] = [sorted((placed[i], placed[i] + g.dur[i]) for i in o) for o in orders]
+    ones = sorted((i for i, t in enumerate(g.tasks) if t.model == 1), key=lambda i: g._depth(i))
+    for i in ones:
+        ready = max((placed[d] + g.dur[d] for d in g.deps[i]), default=0.0)
+        n, start = g.node[i], ready
+        for a, b in busy[n]:  # the first gap after `ready` long enough
+            if start + g.dur[i] <= a:
+                break
+            start = max(start, b)
+        placed[i] = start
+        busy[n] = sorted([*busy[n], (start, start + g.dur[i])])
+    return [sorted((i for i in range(len(g.tasks)) if g.node[i] == n and i in placed), key=lambda i: placed[i])
+            for n in range(p.a)]
+
+
+def _times(g: _Graph, orders: Sequence[Sequence[int]]) -> dict[int, float]:
+    """Start time of every task in `orders` (which must not deadlock), each node running its order in turn."""
+    start: dict[int, float] = {}
+    pos, free = [0] * len(orders), [0.0] * len(orders)
+    progress = True
+    while progress:
+        progress = False
+        for n, order in enumerate(orders):
+            while pos[n] < len(order):
+                i = order[pos[n]]
+                if any(d not in start for d in g.deps[i]):
+                    break
+                start[i] = max([free[n], *(start[d] + g.dur[d] for d in g.deps[i])])
+                free[n] = start[i] + g.dur[i]
+                pos[n] += 1
+                progress = True
+    return start
+
+
 def best_greedy(g: _Graph, rng: random.Random,
                 restarts: int) -> tuple[list[list[int]], tuple[float, list[float]]]:
-    """The best of the plain list schedule and `restarts` randomised ones (noise 0.3 and 1.0, backwards first or
-    not), by makespan, then peak memory; with its (makespan, peaks)."""
-    tries = [greedy(g)]
+    """The best of the plain list schedule, the bubble-filled 1F1B one and `restarts` randomised list schedules
+    (noise 0.3 and 1.0, backwards first or not), by makespan, then peak memory; with its (makespan, peaks)."""
+    tries = [greedy(g), bubble_fill(g)]
     for r in range(restarts):
         tries.append(greedy(g, rng, noise=(0.3, 1.0)[r % 2], backward_first=(r // 2) % 2 == 0))
     scored = []
