@@ -122,3 +122,14 @@ def test_rlhfuse_shapes_within_five_percent_of_the_bound(shape: tuple[int, int, 
     s = solve(p, seed=0, iters=500)
     replay(p, s.to_json())
     assert s.makespan <= 1.05 * s.lower_bound, (shape, s.makespan, s.lower_bound)
+
+
+@pytest.mark.parametrize("inst", [(8, 4, (8, 4), (5.0, 4.0), (1.95, 2.0)), (8, 8, (8, 8), (5.0, 2.0), (1.95, 1.0)),
+                                  (16, 8, (16, 8), (2.0, 2.0), (1.64, 2.0))])
+def test_published_rlhfuse_instances_within_five_percent(inst: tuple) -> None:  # type: ignore[type-arg]
+    """The smallest of the instances FlexFusion published (bench/fuse_schedule_published.py runs all 12); the first
+    needs the bubble-filled 1F1B start to reach its bound."""
+    p = Problem(*inst)
+    s = solve(p, seed=0)
+    replay(p, s.to_json())
+    assert s.makespan <= 1.05 * s.lower_bound, (inst, s.makespan, s.lower_bound)
