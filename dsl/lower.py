@@ -472,6 +472,11 @@ class _Lowering:
                 self.rep.error(block[key].src, f"`{key}` must be at least {1 if key == 'steps' else 0}",
                                block[key].entry.value,
                                hint="0 is a synchronous run" if key == "max_staleness" else None)
+        for key in ("gpu_hour", "cpu_hour"):
+            price = filled.get(key)
+            if key in block and isinstance(price, (int, float)) and price < 0:
+                self.rep.error(block[key].src, f"`{key}` must be at least 0", block[key].entry.value,
+                               hint="a price per hour; 0 leaves money out of the cost report")
         weight = filled.get("cost_weight")
         if "cost_weight" in block and isinstance(weight, (int, float)) and not 0.0 <= float(weight) <= 1.0:
             self.rep.error(block["cost_weight"].src, "`cost_weight` must be between 0 and 1",

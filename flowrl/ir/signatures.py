@@ -217,4 +217,6 @@ RUN_KEYS: dict[str, tuple[str, Value]] = {
     "log_every": ("int", 10),  # steps between progress lines when stderr is not a terminal
     "max_staleness": ("int", 0),  # 0: synchronous; K >= 1: generation runs ahead, samples at most K updates old
     "cost_weight": ("float", 0.5),  # serverless: 1 buys the fastest generation, 0 the fewest device-seconds
+    "gpu_hour": ("float", 0.0),  # price of a device-hour, for money in the cost report (0: device-seconds only)
+    "cpu_hour": ("float", 0.0),  # price of the controller's host per hour of the run
 }

@@ -107,8 +107,11 @@ class CostMeter:
         return out
 
 
-def summary(rows: Sequence[Mapping[str, Any]], pools: Sequence[Pool]) -> dict[str, Any]:
-    """The whole run's device-seconds per pool and in all, from its metrics rows."""
+def summary(rows: Sequence[Mapping[str, Any]], pools: Sequence[Pool], gpu_hour: float = 0.0,
+            cpu_hour: float = 0.0) -> dict[str, Any]:
+    """The whole run's device-seconds per pool and in all, from its metrics rows; with prices (`run { gpu_hour,
+    cpu_hour }`) also money: each pool's held device-seconds at `gpu_hour`, and the controller's host for the
+    run's stepping time (the sum of its steps' times) at `cpu_hour`."""
 
     def total(key: str) -> float:
         return float(sum(float(r.get(key, 0.0)) for r in rows))
@@ -125,6 +128,13 @@ def summary(rows: Sequence[Mapping[str, Any]], pools: Sequence[Pool]) -> dict[st
     for key in ("held_s", "busy_s", "idle_s", "starting_s", "loading_s", "cold_starts", "warm_starts"):
         out[key] = total(PREFIX + key)
     out["utilization"] = out["busy_s"] / out["held_s"] if out["held_s"] else 0.0
+    if gpu_hour or cpu_hour:
+        for p in out["pools"]:
+            p["money"] = p["held_s"] / 3600.0 * gpu_hour
+        wall = total("step_time_s")
+        out["money"] = {"devices": out["held_s"] / 3600.0 * gpu_hour, "controller": wall / 3600.0 * cpu_hour,
+                        "gpu_hour": gpu_hour, "cpu_hour": cpu_hour}
+        out["money"]["total"] = out["money"]["devices"] + out["money"]["controller"]
     return out
 
 
@@ -137,11 +147,16 @@ def instance_spans(usage: Sequence[Any], step: int, t0_wall: float) -> list[Span
 
 def table(report: Mapping[str, Any]) -> str:
     """The summary as the text table printed at the end of `flowrl run`."""
-    lines = [f"{'pool':<12} {'devices':>7} {'held dev-s':>11} {'busy dev-s':>11} {'busy':>6}"]
+    money = report.get("money")
+    lines = [f"{'pool':<12} {'devices':>7} {'held dev-s':>11} {'busy dev-s':>11} {'busy':>6}" +
+             (f" {'money':>10}" if money else "")]
     for p in report["pools"]:
         lines.append(f"{p['pool']:<12} {p['devices'] or 'elastic':>7} {p['held_s']:>11.1f} {p['busy_s']:>11.1f} "
-                     f"{p['utilization']:>6.0%}")
+                     f"{p['utilization']:>6.0%}" + (f" {p['money']:>10.4f}" if money else ""))
     lines.append(f"{'all':<12} {'':>7} {report['held_s']:>11.1f} {report['busy_s']:>11.1f} "
-                 f"{report['utilization']:>6.0%}   (starting {report['starting_s']:.1f} dev-s, "
-                 f"{int(report['cold_starts'])} cold starts)")
+                 f"{report['utilization']:>6.0%}" + (f" {money['devices']:>10.4f}" if money else "") +
+                 f"   (starting {report['starting_s']:.1f} dev-s, {int(report['cold_starts'])} cold starts)")
+    if money:
+        lines.append(f"money: {money['total']:.4f} = devices {money['devices']:.4f} at {money['gpu_hour']:g} a "
+                     f"device-hour + controller {money['controller']:.4f} at {money['cpu_hour']:g} an hour")
     return "\n".join(lines)

@@ -161,7 +161,8 @@ def run(graph: Graph, *, out_dir: str | Path, backend: Backend, steps: int | Non
     metrics = report.read_metrics(metrics_path)
     if metrics:
         report.plot_rewards(metrics, out / "reward.png", graph.flow)
-    spent = cost.summary(metrics, pools) if pools else {}
+    spent = cost.summary(metrics, pools, float(str(graph.run.get("gpu_hour", 0.0))),
+                         float(str(graph.run.get("cpu_hour", 0.0)))) if pools else {}
     if spent:
         (out / "cost.json").write_text(json.dumps(spent, indent=2), encoding="utf-8")
     return RunResult(out, metrics, total, spent)

@@ -9,7 +9,7 @@ import pytest
 
 import flowrl
 from flowrl.runtime.controller import Span
-from flowrl.runtime.cost import CostMeter, Pool, union_s
+from flowrl.runtime.cost import CostMeter, Pool, summary, table, union_s
 
 FLOW = """
 model actor : policy { source = "tiny:gpt2", layers = 1, dim = 32, heads = 2, charset = "0123456789+=", lr = 1e-3,
@@ -74,3 +74,26 @@ def test_a_run_reports_its_device_seconds_and_they_match_its_trace(tmp_path: Pat
     assert saved == res.cost
     assert saved["held_s"] == pytest.approx(sum(r["cost/held_s"] for r in res.metrics))
     assert {p["pool"]: p["devices"] for p in saved["pools"]} == devices
+
+
+def test_prices_put_money_in_the_report() -> None:
+    rows = [{"step_time_s": 1800.0, "cost/held_s": 7200.0, "cost/busy_s": 3600.0, "cost/gen/held_s": 3600.0,
+             "cost/gen/busy_s": 1800.0, "cost/train/held_s": 3600.0, "cost/train/busy_s": 1800.0}] * 2
+    pools = [Pool("gen", ("gen",), 1), Pool("train", ("train",), 1)]
+    assert "money" not in summary(rows, pools)
+    report = summary(rows, pools, gpu_hour=2.0, cpu_hour=0.5)
+    # two steps: 4 device-hours at 2.0, one hour of stepping at 0.5
+    assert report["money"] == {"devices": 8.0, "controller": 0.5, "gpu_hour": 2.0, "cpu_hour": 0.5, "total": 8.5}
+    assert [p["money"] for p in report["pools"]] == [4.0, 4.0]
+    assert "money: 8.5000 = devices 8.0000 at 2 a device-hour + controller 0.5000 at 0.5 an hour" in table(report)
+
+
+def test_a_negative_price_is_a_located_error(tmp_path: Path) -> None:
+    (tmp_path / "data.jsonl").write_text(json.dumps({"prompt": "1+1=", "answer": 2}) + "\n")
+    (tmp_path / "f.flow").write_text(FLOW.replace("run { steps = 3, seed = 2 }", "run { gpu_hour = -1.5 }"))
+    with pytest.raises(flowrl.FlowError) as e:
+        flowrl.load(str(tmp_path / "f.flow"))
+    assert e.value.render() == (f"{tmp_path / 'f.flow'}:14:18: error: `gpu_hour` must be at least 0\n"
+                                "    run { gpu_hour = -1.5 }\n"
+                                "                     ^^^^\n"
+                                "hint: a price per hour; 0 leaves money out of the cost report")
