@@ -70,7 +70,7 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--backend", default="local", choices=backend_names(),
                    help="where it runs: " + "; ".join(f"{e.name}: {e.help}" for e in backend_entries().values())
                         + " (ranks per group: each model's `replicas`, e.g. --set actor.replicas=2)")
-    c.add_argument("--address", default=None, help="Ray cluster address (ray backend); default: start one")
+    c.add_argument("--address", default=None, help="Ray cluster address (ray and serverless backends); default: start one")
     c.add_argument("--steps", type=int, default=None)
     c.add_argument("--seed", type=int, default=None)
     c.add_argument("--device", default=None, help="auto | cpu | cuda (default: run { device })")

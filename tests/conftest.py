@@ -12,6 +12,11 @@ import flowrl
 from flowrl.ir.graph import Graph
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests marked `autoscaling` stop every Ray on the machine: when collected with the others, they run last."""
+    items.sort(key=lambda item: item.get_closest_marker("autoscaling") is not None)
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--update-golden", action="store_true", default=False,
                      help="rewrite tests/golden/*.txt from the current output instead of comparing")

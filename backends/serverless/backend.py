@@ -44,18 +44,24 @@ class ServerlessBackend:
     def start(self, graph: Graph, *, seed: int, device: str) -> dict[str, WorkerGroup]:
         self.session.open()
         total = int(ray.cluster_resources().get(SLOT, 0))
-        if total < 1:
+        pools = {p.name: p for p in graph.pools}
+        # A cluster flowrl joined (an address) may grow: demand for slots is what makes its autoscaler add
+        # nodes, so a declared pool is sized by its upper `gpus`, not by the slots there now (none, on a
+        # cluster scaled to zero). A local instance flowrl started has what it has.
+        joined = self.session.address is not None
+        if total < 1 and not (joined and all(pools.get(wg.pool or "") is not None for wg in graph.worker_groups)):
             raise FlowError(Diagnostic(
                 f"the Ray cluster has no `{SLOT}` resource: serverless instances take one each",
-                hint=f"start its nodes with --resources '{{\"{SLOT}\": N}}' (N devices a node), or let flowrl "
-                     "start a local Ray instance"))
+                hint=f"start its nodes with --resources '{{\"{SLOT}\": N}}' (N devices a node), give every "
+                     "worker group a placement pool with `gpus` (an autoscaling cluster then adds nodes with "
+                     "slots on demand), or let flowrl start a local Ray instance"))
         run = uuid.uuid4().hex[:8]
-        pools = {p.name: p for p in graph.pools}
         for wg in graph.worker_groups:
             decl = pools.get(wg.pool or "")
             upper = (decl.gpus.hi if isinstance(decl.gpus, Range) else int(decl.gpus)) if decl is not None else total
+            size = upper if joined and decl is not None else min(upper, total)
             build = Build(tuple(graph.model(m) for m in wg.models), graph.models, seed, device)
-            self.groups[wg.name] = ServerlessGroup(wg.name, wg.pool, build, max(1, min(upper, total)), run,
+            self.groups[wg.name] = ServerlessGroup(wg.name, wg.pool, build, max(1, size), run,
                                                    crash_on_call=self.crash_on_call.get(wg.name),
                                                    cost_weight=float(str(graph.run.get("cost_weight", 0.5))))
         for g in self.groups.values():
