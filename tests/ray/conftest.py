@@ -61,11 +61,13 @@ def tiny() -> Callable[..., Graph]:
 
 
 def _same_metrics(a: list[dict[str, Any]], b: list[dict[str, Any]], tol: float = 1e-5) -> None:
-    """Every metric of every step equal within `tol`, times aside (sync times exist on one side only)."""
+    """Every metric of every step equal within `tol`, times aside (sync times exist on one side only), and how
+    each backend ran a fused stage aside (`fusion/*`: the local backend runs fuse-train's updates one by one)."""
     assert len(a) == len(b) > 0
+    aside = ("time/", "cost/", "fusion/")
     for ra, rb in zip(a, b, strict=True):
-        keys = {k for k in ra if not k.startswith(("time/", "cost/")) and k not in TIMES}
-        assert keys == {k for k in rb if not k.startswith(("time/", "cost/")) and k not in TIMES}
+        keys = {k for k in ra if not k.startswith(aside) and k not in TIMES}
+        assert keys == {k for k in rb if not k.startswith(aside) and k not in TIMES}
         for k in sorted(keys):
             assert abs(float(ra[k]) - float(rb[k])) <= tol, (ra["step"], k, ra[k], rb[k])
 
