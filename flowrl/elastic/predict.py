@@ -63,7 +63,6 @@ class LengthPredictor:
         self.total += sum(float(n) for n in lengths)
         self.count += len(lengths)
 
-
     def predict_profiles(self, prompt_ids: Sequence[Hashable], samples: int, fallback: float) -> list[list[float]]:
         """Each prompt's expected `samples` sample lengths, sorted (see the module docstring)."""
         means = self.predict(prompt_ids, fallback)
@@ -85,12 +84,14 @@ class LengthPredictor:
 
 def resample(sorted_lengths: Sequence[float], n: int) -> list[float]:
     """`n` values spread like `sorted_lengths` (sorted): the value at each of n evenly spaced quantiles, linear
-    between neighbours; the same list when n equals its length."""
+    between neighbours; the same list when n equals its length, their mean for one value."""
     k = len(sorted_lengths)
     if k == n:
         return list(sorted_lengths)
-    if k == 1 or n == 1:
-        return [sorted_lengths[-1]] * n if n == 1 else [sorted_lengths[0]] * n
+    if n == 1:
+        return [sum(sorted_lengths) / k]
+    if k == 1:
+        return [sorted_lengths[0]] * n
     out = []
     for i in range(n):
         x = i * (k - 1) / (n - 1)

@@ -16,6 +16,7 @@ from flowrl.elastic import (
     should_migrate,
     spearman,
 )
+from flowrl.elastic.predict import resample
 from flowrl.elastic.scale import decode_seconds
 
 
@@ -153,3 +154,10 @@ def test_estimate_with_profiles_waits_for_each_groups_longest_sample() -> None:
     assert estimate(predicted, 2, 2, curve, profiles=[[0.0, 10.0], [5.0, 5.0]]) == (10.0, 15.0)
     choice = choose_instances(predicted, 2, [1, 2], curve, weight=1.0, profiles=[[0.0, 10.0], [5.0, 5.0]])
     assert [(c.instances, c.time_s) for c in choice.candidates] == [(1, 10.0), (2, 10.0)]
+
+
+def test_resample_keeps_the_spread() -> None:
+    assert resample([1.0, 2.0, 6.0], 3) == [1.0, 2.0, 6.0]
+    assert resample([1.0, 2.0, 6.0], 1) == [3.0]  # one sample: the group's mean
+    assert resample([4.0], 3) == [4.0, 4.0, 4.0]
+    assert resample([0.0, 10.0], 5) == [0.0, 2.5, 5.0, 7.5, 10.0]
