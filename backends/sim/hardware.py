@@ -22,13 +22,17 @@ column only.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-import tomllib
-
 from flowrl.errors import Diagnostic, FlowError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.10: the same parser, from PyPI (a dependency there)
+    import tomli as tomllib
 
 
 @dataclass(frozen=True)
