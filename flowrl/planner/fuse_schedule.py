@@ -106,8 +106,9 @@ class _Graph:
         return t.stage if t.kind == "F" else 2 * self.p.stages(t.model) - 1 - t.stage
 
 
-def evaluate(g: _Graph, orders: Sequence[Sequence[int]]) -> tuple[float, list[float]] | None:
-    """(makespan, peak memory per node) of these per-node task orders, or None when they deadlock."""
+def ends(g: _Graph, orders: Sequence[Sequence[int]]) -> list[float] | None:
+    """End time of every task in `orders` (NaN for tasks not in them), each node running its order in turn; None
+    when the orders deadlock."""
     end = [math.nan] * len(g.tasks)
     pos = [0] * len(orders)
     free = [0.0] * len(orders)
@@ -125,7 +126,13 @@ def evaluate(g: _Graph, orders: Sequence[Sequence[int]]) -> tuple[float, list[fl
                 pos[n] += 1
                 remaining -= 1
                 progress = True
-    if remaining:
+    return None if remaining else end
+
+
+def evaluate(g: _Graph, orders: Sequence[Sequence[int]]) -> tuple[float, list[float]] | None:
+    """(makespan, peak memory per node) of these per-node task orders, or None when they deadlock."""
+    end = ends(g, orders)
+    if end is None:
         return None
     peaks = []
     for order in orders:
@@ -138,7 +145,7 @@ def evaluate(g: _Graph, orders: Sequence[Sequence[int]]) -> tuple[float, list[fl
             else:
                 held -= g.p.mem[t.model]
         peaks.append(peak)
-    return max(free), peaks
+    return max((e for e in end if not math.isnan(e)), default=0.0), peaks
 
 
 def greedy(g: _Graph, rng: random.Random | None = None, noise: float = 0.0,
@@ -193,7 +200,9 @@ def bubble_fill(g: _Graph) -> list[list[int]]:
             seq += [("F", warm + k), ("B", k)]
         seq += [("B", k) for k in range(m - warm, m)]
         orders[stage] = [index[Task(0, 0, k, stage, kind)] for kind, k in seq]
-    placed = _times(g, orders)
+    model0 = ends(g, orders)
+    assert model0 is not None  # 1F1B never deadlocks
+    placed = {i: e - g.dur[i] for i, e in enumerate(model0) if not math.isnan(e)}  # start times
     busy: list[list[tuple[float, float]]] = [sorted((placed[i], placed[i] + g.dur[i]) for i in o) for o in orders]
     ones = sorted((i for i, t in enumerate(g.tasks) if t.model == 1), key=lambda i: g._depth(i))
     for i in ones:
@@ -207,25 +216,6 @@ def bubble_fill(g: _Graph) -> list[list[int]]:
         busy[n] = sorted([*busy[n], (start, start + g.dur[i])])
     return [sorted((i for i in range(len(g.tasks)) if g.node[i] == n and i in placed), key=lambda i: placed[i])
             for n in range(p.a)]
-
-
-def _times(g: _Graph, orders: Sequence[Sequence[int]]) -> dict[int, float]:
-    """Start time of every task in `orders` (which must not deadlock), each node running its order in turn."""
-    start: dict[int, float] = {}
-    pos, free = [0] * len(orders), [0.0] * len(orders)
-    progress = True
-    while progress:
-        progress = False
-        for n, order in enumerate(orders):
-            while pos[n] < len(order):
-                i = order[pos[n]]
-                if any(d not in start for d in g.deps[i]):
-                    break
-                start[i] = max([free[n], *(start[d] + g.dur[d] for d in g.deps[i])])
-                free[n] = start[i] + g.dur[i]
-                pos[n] += 1
-                progress = True
-    return start
 
 
 def best_greedy(g: _Graph, rng: random.Random,
