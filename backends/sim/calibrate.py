@@ -30,7 +30,7 @@ from flowrl.backends.sim.hardware import Cluster, load_cluster
 from flowrl.backends.sim.shapes import ModelShape
 from flowrl.backends.sim.simulate import simulate
 from flowrl.backends.sim.work import Call, FlowWork, controller_times, flow_work
-from flowrl.backends.sim.workload import Step, replay
+from flowrl.backends.sim.workload import Step, read_metrics, replay
 from flowrl.errors import Diagnostic, FlowError
 
 
@@ -51,17 +51,16 @@ def load_run(run_dir: str | Path, skip: int = 1) -> Run:
                                        hint="pass the --out directory of a `flowrl run` (local backend)"))
     graph = json.loads((path / "graph.json").read_text(encoding="utf-8"))
     steps = replay(path)
+    rows = read_metrics(path)
     times: list[dict[str, float]] = []
-    for lineno, line in enumerate((path / "metrics.jsonl").read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
+    for lineno, row in enumerate(rows, 1):
         try:
-            row = json.loads(line)
             times.append({"step": float(row["step_time_s"]),
                           **{k[5:]: float(v) for k, v in row.items() if k.startswith("time/")}})
         except (ValueError, KeyError, TypeError) as e:
-            raise FlowError(f"{path / 'metrics.jsonl'}:{lineno}: not a metrics row ({e})") from None
-    work = controller_times(flow_work(graph, prompts=len(steps[0]) if steps else None), path)
+            raise FlowError(f"{path / 'metrics.jsonl'}: row {lineno}: not a metrics row ({e})") from None
+    work = controller_times(flow_work(graph, prompts=len(steps[0]) if steps else None), rows,
+                            sum(len(w.responses) for w in steps[0]) if steps else 0)
     n = min(len(steps), len(times))
     info = json.loads((path / "run.json").read_text(encoding="utf-8")) if (path / "run.json").is_file() else {}
     return Run(path, work, steps[skip:n], times[skip:n], frozenset(info.get("unfused", {})))
@@ -74,8 +73,8 @@ def _decode_terms(cost: CostModel, shape: ModelShape, step: Step) -> tuple[float
     for w in step:
         flops += w.prompt_len * shape.flops_per_token(w.prompt_len / 2)
         tokens += w.prompt_len
-        for n in w.responses:  # token t of a response attends to prompt + t earlier tokens
-            flops += n * 2 * shape.params + 4 * shape.layers * shape.hidden * (n * w.prompt_len + n * n / 2)
+        for n in w.responses:  # token t of a response attends to prompt + t places: prompt + n/2 on average
+            flops += n * shape.flops_per_token(w.prompt_len + n / 2)
             tokens += n
     iters = float(max(n for w in step for n in w.responses))
     return iters, flops / cost.dev.flops, cost.act_s(shape, tokens)

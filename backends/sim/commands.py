@@ -75,7 +75,7 @@ def _setup(args: argparse.Namespace) -> tuple[CostModel, FlowWork, list[Step]]:
     from flowrl.backends.sim.hardware import load_cluster
     from flowrl.backends.sim.shapes import resolve
     from flowrl.backends.sim.work import controller_times, flow_work
-    from flowrl.backends.sim.workload import LongTail, replay, stretch, synthetic, tile
+    from flowrl.backends.sim.workload import LongTail, read_metrics, replay, stretch, synthetic, tile
     from flowrl.compiler import compile_file, parse_sets
     from flowrl.ir.printer import to_json
 
@@ -92,6 +92,7 @@ def _setup(args: argparse.Namespace) -> tuple[CostModel, FlowWork, list[Step]]:
     cost = CostModel(load_cluster(args.cluster), Factors.load(args.calibration) if args.calibration else None)
     if args.trace:
         steps = replay(args.trace)
+        samples = sum(len(w.responses) for w in steps[0])  # a step of the run, before tiling
         if args.stretch != 1.0:
             steps = stretch(steps, args.stretch, args.max_tokens or max(n for s in steps for w in s
                                                                         for n in w.responses))
@@ -101,7 +102,8 @@ def _setup(args: argparse.Namespace) -> tuple[CostModel, FlowWork, list[Step]]:
         longest = max(n for s in steps for w in s for n in w.responses)
         work = controller_times(flow_work(graph, overrides, prompts=len(steps[0]),
                                           samples=len(steps[0][0].responses),
-                                          max_tokens=max(args.max_tokens or 0, longest)), args.trace)
+                                          max_tokens=max(args.max_tokens or 0, longest)),
+                                read_metrics(args.trace), samples)
     else:
         work = flow_work(graph, overrides, args.prompts, args.samples, args.max_tokens)
         tail = LongTail(prompts=work.prompts, samples=work.samples, max_tokens=work.max_tokens,

@@ -5,10 +5,8 @@ updates run over the rollout, with what shapes, batch and lengths. Read from a g
 
 from __future__ import annotations
 
-import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any
 
 from flowrl.backends.sim.shapes import ModelShape, from_decl
@@ -99,17 +97,12 @@ def flow_work(graph: Mapping[str, Any], overrides: Mapping[str, ModelShape] | No
                     tuple(ctrl))
 
 
-def controller_times(work: FlowWork, run_dir: str | Path) -> FlowWork:
-    """`work` with the controller's seconds per sample measured in a run of the same flow (RUN_DIR/metrics.jsonl,
-    first step left out): rewards and functions are the user's code, which no cost model knows."""
-    path = Path(run_dir) / "metrics.jsonl"
-    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()] \
-        if path.is_file() else []
-    rows = rows[1:] if len(rows) > 1 else rows
-    lengths = Path(run_dir) / "lengths.jsonl"
-    first = json.loads(lengths.read_text(encoding="utf-8").splitlines()[0]) if lengths.is_file() else None
-    samples = sum(len(r) for r in first["response_len"]) if first else 0
-    if not rows or not samples:
+def controller_times(work: FlowWork, metrics: Sequence[Mapping[str, Any]], samples: int) -> FlowWork:
+    """`work` with the controller's seconds per sample measured in a run of the same flow (its metrics rows, the
+    first step left out; `samples` a step): rewards and functions are the user's code, which no cost model
+    knows."""
+    rows = metrics[1:] if len(metrics) > 1 else metrics
+    if not rows or samples < 1:
         return work
     per_step = sum(float(r.get(f"time/{n}", 0.0)) for r in rows for n in work.controller) / len(rows)
     return replace(work, controller_s=per_step / samples)

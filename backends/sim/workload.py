@@ -18,6 +18,7 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from flowrl.errors import Diagnostic, FlowError
 
@@ -104,3 +105,21 @@ def stretch(steps: Sequence[Step], factor: float, cap: int) -> list[Step]:
     """Response lengths times `factor`, cut at `cap` (a tiny run's shape at a real model's lengths)."""
     return [tuple(replace(w, responses=tuple(max(1, min(cap, round(n * factor))) for n in w.responses))
                   for w in s) for s in steps]
+
+
+def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+    """RUN_DIR/metrics.jsonl's rows (none when the file is missing); a row that is not JSON is a file:line error."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    rows = []
+    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if line.strip():
+            try:
+                row = json.loads(line)
+            except ValueError as e:
+                raise FlowError(f"{path}:{lineno}: not a metrics row ({e})") from None
+            if not isinstance(row, dict):
+                raise FlowError(f"{path}:{lineno}: not a metrics row (a JSON object per line)")
+            rows.append(row)
+    return rows
