@@ -379,11 +379,11 @@ class PipeRLHF(Serverful):
             if not options:
                 raise FlowError(Diagnostic(f"pipe-rlhf needs a train pool that holds training and a rollout pool; "
                                            f"{self.devices} devices are too few"))
-            def step_s(r: int) -> float:
-                gen, train_end, _, _ = self._run(step, r)
-                return max(gen.end, train_end)
-            self.split = min(options, key=step_s)
-        gen, train_end, busy, spans = self._run(step, self.split)
+            tried = {r: self._run(step, r) for r in options}
+            self.split = min(options, key=lambda r: max(tried[r][0].end, tried[r][1]))
+            gen, train_end, busy, spans = tried[self.split]
+        else:
+            gen, train_end, busy, spans = self._run(step, self.split)
         shape = self.work.shapes[self.work.generate.model]
         sync = self.cost.weight_sync_s(shape, self.devices - self.split, colocated=False)
         time = max(gen.end, train_end) + sync  # one step off: rollout of t+1 beside training of t
