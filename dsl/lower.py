@@ -472,11 +472,16 @@ class _Lowering:
                 self.rep.error(block[key].src, f"`{key}` must be at least {1 if key == 'steps' else 0}",
                                block[key].entry.value,
                                hint="0 is a synchronous run" if key == "max_staleness" else None)
-        for key in ("gpu_hour", "cpu_hour"):
+        for key in ("gpu_hour", "cpu_hour", "prewarm_margin"):
             price = filled.get(key)
             if key in block and isinstance(price, (int, float)) and price < 0:
                 self.rep.error(block[key].src, f"`{key}` must be at least 0", block[key].entry.value,
-                               hint="a price per hour; 0 leaves money out of the cost report")
+                               hint="seconds before the stage" if key == "prewarm_margin" else
+                               "a price per hour; 0 leaves money out of the cost report")
+        tau = filled.get("migrate_at")
+        if "migrate_at" in block and isinstance(tau, (int, float)) and not 0.0 < float(tau) <= 1.0:
+            self.rep.error(block["migrate_at"].src, "`migrate_at` must be above 0 and at most 1",
+                           block["migrate_at"].entry.value, hint="1 never migrates")
         weight = filled.get("cost_weight")
         if "cost_weight" in block and isinstance(weight, (int, float)) and not 0.0 <= float(weight) <= 1.0:
             self.rep.error(block["cost_weight"].src, "`cost_weight` must be between 0 and 1",

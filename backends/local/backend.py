@@ -37,6 +37,9 @@ class SharedWeights:
     name: str
     why_not_async: str
 
+    def begin_step(self, step: int) -> None:
+        pass  # fixed pools: nothing to start ahead
+
     def after_update(self, model: str, group: str) -> float:
         return 0.0  # a model in several groups is one shared object: nothing to send
 

@@ -31,6 +31,9 @@ class ProcessBackend:
                                             self.world or wg.ranks, seed=seed, device=device, threads=self.threads))
         return {g.name: g for g in self.groups}
 
+    def begin_step(self, step: int) -> None:
+        pass  # fixed pools: nothing to start ahead
+
     def after_update(self, model: str, group: str) -> float:
         """Seconds spent loading the new weights of `model`, trained in `group`, into every rank of the other
         groups that hold it (0.0 when none does)."""

@@ -77,6 +77,9 @@ class RayBackend:
                 raise WorkerLostError(f"worker group {g.name} failed to start: {e}") from None
         return dict(self.groups)
 
+    def begin_step(self, step: int) -> None:
+        pass  # fixed pools: nothing to start ahead
+
     def after_update(self, model: str, group: str) -> float:
         """Called by the controller after `model.update` ran in `group`: seconds spent sending the new weights to
         the other groups that hold `model` (split placement); 0.0 when none does (colocated: already in place)."""

@@ -13,19 +13,23 @@ instance tasks that ran since it was last called, for the cost report (flowrl.ru
 from __future__ import annotations
 
 import os
+import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import ray
 
 from flowrl.backends.ray.cluster import Session
-from flowrl.backends.serverless.group import ServerlessGroup, Usage
-from flowrl.backends.serverless.instance import SLOT, Build
+from flowrl.backends.serverless.group import Policy, ServerlessGroup, Usage
+from flowrl.backends.serverless.instance import SLOT, Build, remote_mailbox
 from flowrl.errors import Diagnostic, FlowError
 from flowrl.ir.graph import Graph, Range
 from flowrl.runtime.protocol import WorkerGroup
+
+ABLATE = ("predict", "assign", "migrate", "scale", "prewarm")
 
 
 class ServerlessBackend:
@@ -33,9 +37,14 @@ class ServerlessBackend:
     why_not_async = ""  # each group's weights are versions in the object store
 
     def __init__(self, address: str | None = None, log_dir: str | Path | None = None, *, slots: int | None = None,
-                 crash_on_call: Mapping[str, tuple[str, int, str]] | None = None):
+                 crash_on_call: Mapping[str, tuple[str, int, str]] | None = None, ablate: Iterable[str] = ()):
         """`crash_on_call` (tests only): group -> (method, n, marker file): that group's n-th `method` call loses
-        its first instance mid-call (see instance.serve)."""
+        its first instance mid-call (see instance.serve). `ablate`: mechanisms switched off, for the ablation
+        (`predict`, `assign`, `migrate`, `scale`, `prewarm`)."""
+        unknown = set(ablate) - set(ABLATE)
+        if unknown:
+            raise ValueError(f"ablate: unknown mechanisms {sorted(unknown)}; known: {', '.join(ABLATE)}")
+        self.ablate = frozenset(ablate)
         self.slots = slots or os.cpu_count() or 1
         self.crash_on_call = dict(crash_on_call or {})
         self.session = Session(address, log_dir, resources={SLOT: float(self.slots)})
@@ -56,17 +65,34 @@ class ServerlessBackend:
                      "worker group a placement pool with `gpus` (an autoscaling cluster then adds nodes with "
                      "slots on demand), or let flowrl start a local Ray instance"))
         run = uuid.uuid4().hex[:8]
+        keep_warm = bool(graph.run.get("keep_warm", True))
+        mailbox = remote_mailbox.remote()
+        r = graph.run
+        policy = Policy(cost_weight=float(str(r.get("cost_weight", 0.5))), prewarm=bool(r.get("prewarm", True)),
+                        margin_s=float(str(r.get("prewarm_margin", 0.05))), tau=float(str(r.get("migrate_at", 0.7))),
+                        predict="predict" not in self.ablate, assign="assign" not in self.ablate,
+                        scale="scale" not in self.ablate)
+        if "migrate" in self.ablate:
+            policy = replace(policy, tau=1.0)
+        if "prewarm" in self.ablate:
+            policy = replace(policy, prewarm=False)
         for wg in graph.worker_groups:
             decl = pools.get(wg.pool or "")
             upper = (decl.gpus.hi if isinstance(decl.gpus, Range) else int(decl.gpus)) if decl is not None else total
             size = upper if joined and decl is not None else min(upper, total)
-            build = Build(tuple(graph.model(m) for m in wg.models), graph.models, seed, device)
+            build = Build(tuple(graph.model(m) for m in wg.models), graph.models, seed, device, keep_warm)
             self.groups[wg.name] = ServerlessGroup(wg.name, wg.pool, build, max(1, size), run,
                                                    crash_on_call=self.crash_on_call.get(wg.name),
-                                                   cost_weight=float(str(graph.run.get("cost_weight", 0.5))))
+                                                   policy=policy, mailbox=mailbox)
         for g in self.groups.values():
             g.start()
         return dict(self.groups)
+
+    def begin_step(self, step: int) -> None:
+        """Each pool pre-warms, from its step history, the instances its first call of this step will want."""
+        began = time.perf_counter()
+        for g in self.groups.values():
+            g.begin_step(began)
 
     def after_update(self, model: str, group: str) -> float:
         """The other holders of `model` now want the version `group` just trained: a reference, loaded by their
@@ -91,5 +117,7 @@ class ServerlessBackend:
         return {k: v for g in self.groups.values() for k, v in g.take_metrics().items()}
 
     def shutdown(self) -> None:
+        for g in self.groups.values():
+            g.close()
         self.groups = {}
         self.session.close()

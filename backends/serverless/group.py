@@ -5,7 +5,10 @@ Split calls (generation, forwards) spread over up to `world` instances, the pool
 on one instance (data-parallel training needs a process group, which tasks do not form; said in `notes`).
 Generation assigns prompts by predicted length (flowrl.elastic): the step's prompts sorted by their past
 response lengths, contiguous runs to instances, so instances holding short work finish and release their slot
-early; the rollout is put back in the prompts' order. The group's weights are versions in the object store:
+early; the rollout is put back in the prompts' order. With `migrate_at` < 1 the instances cut and migrate
+(backends/serverless/migrate.py): an instance that finished that fraction of its sequences hands the rest to
+the one holding the longest predicted work and releases its slot. From the step history, the instances a
+group's first call of a step will want are pre-warmed (instance.prewarm). The group's weights are versions in the object store:
 an update's new state becomes the current version; `after_update` / `load_snapshot` hand a version to the
 other groups holding the model (a reference, no copy: an instance loads it when it next needs it).
 """
@@ -13,6 +16,7 @@ other groups holding the model (a reference, no copy: an instance loads it when 
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -21,12 +25,15 @@ from typing import Any
 import ray
 import torch
 
-from flowrl.backends.serverless.instance import SLOT, Build, remote_serve
+from flowrl.backends.serverless import migrate
+from flowrl.backends.serverless.instance import SLOT, Build, remote_prewarm, remote_serve
 from flowrl.elastic.assign import ranked_runs
 from flowrl.elastic.predict import LengthPredictor
+from flowrl.elastic.prewarm import prewarm_delay
 from flowrl.elastic.scale import DecodeCurve, ScaleChoice, choose_instances
 from flowrl.runtime import dispatch
 from flowrl.runtime.batch import Batch
+from flowrl.runtime.chunks import concat
 from flowrl.runtime.protocol import Future
 
 # Without `placement`, a group's calls count in one elastic pool per stage kind.
@@ -47,20 +54,61 @@ class Usage:
     load_s: float  # loading newer weights from the object store
     run_s: float  # the method itself
     cold: bool
+    wait_s: float = 0.0  # a pre-warmed instance's time ready and waiting for its call (idle, held)
+    prewarmed: bool = False  # started ahead of its stage (`prewarm`)
+    ready_first: bool = False  # pre-warmed and ready before its call came: the stage did not wait for its start
+    served: bool = True  # False: pre-warmed, then not needed (the call came before it was started, or never)
 
     @property
     def held_s(self) -> float:
-        return self.start_s + self.load_s + self.run_s
+        return self.start_s + self.load_s + self.wait_s + self.run_s
+
+    @property
+    def ahead_s(self) -> float:
+        """Held before the call came: a pre-warmed instance's start-up, loading (a version newer than the one
+        loaded ahead included) and waiting; 0 for an instance started by its call."""
+        return self.start_s + self.load_s + self.wait_s if self.prewarmed else 0.0
+
+
+@dataclass(frozen=True)
+class Policy:
+    """A pool's elastic policy (`run { cost_weight, prewarm, prewarm_margin, migrate_at }`); `predict`, `assign`
+    and `scale` switch mechanisms off one at a time for the ablation (bench/serverless.py)."""
+
+    cost_weight: float = 0.5  # 1 buys the fastest generation, 0 the fewest device-seconds
+    prewarm: bool = True
+    margin_s: float = 0.05
+    tau: float = 0.7  # cut-and-migrate once this fraction of an instance's sequences finished (1: never)
+    predict: bool = True  # per-prompt length prediction (off: every prompt predicted at the last batch mean)
+    assign: bool = True  # length-ranked assignment (off: prompts in their data order)
+    scale: bool = True  # the cost-aware instance count (off: the pool's upper size)
+
+
+@dataclass(frozen=True)
+class Warm:
+    """A pre-warmed instance: its mailbox box and its task's results."""
+
+    box: str
+    refs: list[ray.ObjectRef]
 
 
 class ServerlessFuture:
     def __init__(self, group: ServerlessGroup, plan: dispatch.Plan, refs: list[list[ray.ObjectRef]],
-                 order: list[int] | None, choice: ScaleChoice | None = None):
+                 order: list[int] | None, choice: ScaleChoice | None = None, first: bool = False,
+                 boxes: Sequence[str] = (), migrating: Batch | None = None):
         self.group, self.plan, self.refs, self.order, self.choice = group, plan, refs, order, choice
+        self.migrating = migrating  # a migrating generation's (ranked) prompts
+        self.first = first  # the group's first call of the step (the one pre-warming aims at)
+        self.boxes = list(boxes)  # the mailbox boxes of the pre-warmed instances serving it
         self.sent = time.perf_counter()
 
     def result(self) -> Any:
-        return self.group.finish(self.plan, self.refs, self.order, self.choice, self.sent)
+        try:
+            return self.group.finish(self.plan, self.refs, self.order, self.choice, self.sent, self.first,
+                                     self.migrating)
+        finally:
+            for box in self.boxes:
+                self.group.mailbox.close.remote(box)
 
 
 class ServerlessGroup:
@@ -70,7 +118,8 @@ class ServerlessGroup:
                         "long-lived ranks (the ray backend)")
 
     def __init__(self, name: str, pool: str | None, build: Build, world: int, run_id: str, *, cpus: float = 1.0,
-                 crash_on_call: tuple[str, int, str] | None = None, cost_weight: float = 0.5):
+                 crash_on_call: tuple[str, int, str] | None = None, policy: Policy = Policy(),
+                 mailbox: Any = None):
         self.name, self.pool, self.build, self.world = name, pool, build, world
         self.models = tuple(m.name for m in build.models)
         self.key = (run_id, name)
@@ -81,10 +130,25 @@ class ServerlessGroup:
         self.lengths = LengthPredictor()  # per prompt id: what its samples' response lengths were
         self.crash_on_call = crash_on_call  # tests: (method, n, marker file): its n-th call loses an instance
         self.calls: dict[str, int] = {}
-        self.cost_weight = cost_weight  # run { cost_weight }: 1 buys the fastest generation, 0 the fewest device-s
+        self.policy = policy
         self.decode: dict[int, float] = {}  # measured seconds per decode step, by the samples an instance decodes
         self.overhead_s = 0.0  # a generation task's time beyond decoding (starting, loading, returning)
         self.metrics: dict[str, float] = {}  # the scaling decisions since last taken
+        # pre-warming: from the step history, start the instances the group's first call of a step will want
+        # `ready_s + margin_s` before the earliest that call came in any step; the mailbox (a Ray actor) hands
+        # pre-warmed instances their calls and migrating instances their tails
+        self.mailbox = mailbox
+        self.lock = threading.Lock()  # the timer thread starts instances while the controller calls
+        self.offsets: list[float] = []  # per step: seconds from step start to the group's first call
+        self.needed = 0  # instances the last first call used, when it had to build models (0: all were warm)
+        self.ready_s = 0.0  # how long a cold instance took to build and load (the last measured)
+        self.step_began: float | None = None
+        self.first_pending = False  # the step's first call has not come yet
+        self.timer: threading.Timer | None = None
+        self.warm: list[Warm] = []  # started, waiting for their call
+        self.unused: list[tuple[Warm, str]] = []  # told they are not needed; their usage not yet taken
+        self.boxes = itertools.count()
+        self.first_method = "generate"  # the method of the step's first call (its pool counts unused instances)
 
     def start(self) -> None:
         """One instance builds the models once (the pool's first cold start) and tells their pad ids."""
@@ -101,33 +165,58 @@ class ServerlessGroup:
         if method == "generate" and world > 1 and args and isinstance(args[1], Batch):
             choice = self._scale(args[1], args[2] if len(args) > 2 else {})
             world = choice.chosen.instances if choice is not None else world
-            args, order = self._ranked(args, world)
+            if self.policy.assign:
+                args, order = self._ranked(args, world)
         plan = dispatch.plan(method, args, kwargs, mode, world)
+        migrating = args[1] if method == "generate" and len(plan.calls) > 1 and self.policy.tau < 1.0 else None
+        migration = f"{self.key[0]}/{self.name}/migrate-{next(self.boxes)}"
         new = next(VERSIONS) if method in dispatch.UPDATES else 0
         wanted = {m: self.state[m] for m in self.models}
         self.calls[method] = self.calls.get(method, 0) + 1
         crash = self.crash_on_call
         marker = crash[2] if crash is not None and (crash[0], crash[1]) == (method, self.calls[method]) else None
-        refs: list[list[ray.ObjectRef]] = [
-            list(remote_serve.options(num_cpus=self.cpus, resources={SLOT: 1}, num_returns=3).remote(
-                self.key, self.build, wanted, method, c.args, c.kwargs, new, marker if c.rank == 0 else None))
-            for c in plan.calls]
+        first, warm = self._arrived(len(plan.calls), method)
+        refs: list[list[ray.ObjectRef]] = []
+        boxes = [w.box for w in warm]
+        for c in plan.calls:
+            lost = marker if c.rank == 0 else None
+            how, kw = method, c.kwargs
+            if migrating is not None:  # the last shard (the longest predicted work) is the sink
+                sink = c.rank == len(plan.calls) - 1
+                role = migrate.Role(migration, self.policy.tau, len(plan.calls) - 1 if sink else 0)
+                how, kw = migrate.METHOD, {**c.kwargs, "first_prompt": c.offset, "role": role, "mailbox": self.mailbox}
+            if warm:  # a pre-warmed instance takes the shard from its box
+                w = warm.pop()
+                self.mailbox.put.remote(w.box, [ray.put((wanted, how, c.args, kw, new, lost))])
+                refs.append(w.refs)
+            else:
+                refs.append(list(remote_serve.options(num_cpus=self.cpus, resources={SLOT: 1}, num_returns=3).remote(
+                    self.key, self.build, wanted, how, c.args, kw, new, lost)))
         if method in dispatch.UPDATES:
             trained = [args[0]] if isinstance(args[0], str) else list(args[0])
             for m in trained:  # the new version: the update's third result ({model: state}), kept in the store
                 self.state[m] = (new, [refs[0][2], m])
-        return ServerlessFuture(self, plan, refs, order, choice)
+        return ServerlessFuture(self, plan, refs, order, choice, first, boxes, migrating)
 
     def finish(self, plan: dispatch.Plan, refs: list[list[ray.ObjectRef]], order: list[int] | None,
-               choice: ScaleChoice | None = None, sent: float = 0.0) -> Any:
+               choice: ScaleChoice | None = None, sent: float = 0.0, first: bool = False,
+               migrating: Batch | None = None) -> Any:
         results = ray.get([r[0] for r in refs])
-        used = [Usage(self.pool_of(plan.method), self.name, int(st["pid"]), float(st["began"]), float(st["start_s"]),
-                      float(st["load_s"]), float(st["run_s"]), bool(st["cold"])) for st in ray.get([r[1] for r in refs])]
+        used = [self._usage(plan.method, st) for st in ray.get([r[1] for r in refs])]
         self.usage.extend(used)
+        self._learn_start(used, first)
+        model = plan.calls[0].args[0] if plan.calls[0].args else None
+        if migrating is not None:  # each instance: (its finished rows, what moved)
+            moved = [info for _, info in results]
+            results = [concat(part) if part else Batch(0, {}) for part, _ in results]
+            self.metrics[f"migrate/{self.name}/moved"] = float(sum(m["moved_in"] for m in moved))
+            self.metrics[f"migrate/{self.name}/sources"] = float(sum(1 for m in moved if m["moved_out"]))
         if plan.method == "generate":
             self._measure(results, used, choice, time.perf_counter() - sent)
-        model = plan.calls[0].args[0] if plan.calls[0].args else None
-        merged = dispatch.merge(plan, results, self.pads.get(model, 0) if isinstance(model, str) else 0)
+        if migrating is not None:
+            merged = migrate.merge([[r] for r in results if r.size], migrating)
+        else:
+            merged = dispatch.merge(plan, results, self.pads.get(model, 0) if isinstance(model, str) else 0)
         if plan.method == "generate" and isinstance(merged, Batch):
             merged = self._learn_and_restore(merged, order)
         return merged
@@ -155,19 +244,89 @@ class ServerlessGroup:
             if m in self.state:
                 self.state[m] = (next(VERSIONS), [ray.put(s)])
 
+    # ---- pre-warming from the step history -------------------------------------------------------------
+    def begin_step(self, began: float) -> None:
+        """A step starts (perf_counter `began`): release instances started for the last one and not used, and
+        when the history says the group's first call has had to build models, start as many instances as it
+        used so that they are ready `margin_s` before the earliest that call has come."""
+        with self.lock:
+            self._release_warm()
+            self.step_began, self.first_pending = began, True
+            delay = prewarm_delay(self.offsets, self.ready_s, self.policy.margin_s)
+            if not self.policy.prewarm or self.mailbox is None or delay is None or not self.needed:
+                return
+            self.timer = threading.Timer(delay, self._prewarm, args=(began, self.needed))
+            self.timer.daemon = True
+            self.timer.start()
+
+    def _prewarm(self, began: float, n: int) -> None:
+        with self.lock:
+            if self.step_began != began or not self.first_pending:  # too late: the call came first
+                return
+            wanted = {m: self.state[m] for m in self.models}
+            for _ in range(n):
+                box = f"{self.key[0]}/{self.name}/{next(self.boxes)}"
+                started: Any = remote_prewarm.options(num_cpus=self.cpus, resources={SLOT: 1}, num_returns=3).remote(
+                    self.key, self.build, wanted, self.mailbox, box)
+                self.warm.append(Warm(box, list(started)))
+
+    def _arrived(self, shards: int, method: str) -> tuple[bool, list[Warm]]:
+        """A call comes: (whether it is the step's first, the pre-warmed instances it takes)."""
+        with self.lock:
+            first = self.first_pending
+            if first:
+                self.first_pending = False
+                if self.timer is not None:
+                    self.timer.cancel()
+                if self.step_began is not None:
+                    self.offsets.append(time.perf_counter() - self.step_began)
+            taken, self.warm = self.warm[:shards], self.warm[shards:]
+            if first:
+                self.first_method = method
+            return first, taken
+
+    def _learn_start(self, used: Sequence[Usage], first: bool) -> None:
+        """From a finished call: how long a cold start takes, and whether the step's first call needed one."""
+        cold = [u.start_s + u.load_s for u in used if u.cold]
+        if cold:
+            self.ready_s = max(cold)
+        if first:
+            self.needed = len(used) if cold else 0
+
+    def _release_warm(self) -> None:
+        for w in self.warm:
+            self.mailbox.put.remote(w.box, None)
+            self.unused.append((w, self.first_method))
+        self.warm = []
+
+    def _usage(self, method: str, st: Mapping[str, Any]) -> Usage:
+        return Usage(self.pool_of(method), self.name, int(st["pid"]), float(st["began"]), float(st["start_s"]),
+                     float(st["load_s"]), float(st["run_s"]), bool(st["cold"]), float(st["wait_s"]),
+                     bool(st["prewarmed"]), bool(st["ready_first"]), bool(st["served"]))
+
+    def close(self) -> None:
+        """Stop pre-warming and release the instances still waiting."""
+        with self.lock:
+            if self.timer is not None:
+                self.timer.cancel()
+            self.step_began = None
+            if self.mailbox is not None:
+                self._release_warm()
+
     # ---- cost-aware instance count ---------------------------------------------------------------------
     def _scale(self, prompts: Batch, attrs: Mapping[str, Any]) -> ScaleChoice | None:
         """How many instances generate this step: flowrl.elastic's argmin of cost_weight * T(N) / T_ref +
         (1 - cost_weight) * C(N) / C_ref over N = 1..world, from the prompts' predicted lengths and this run's
         measured seconds per decode step. None (all `world`) until a first generation was measured."""
-        if not self.decode:
+        if not self.decode or not self.policy.scale:
             return None
+        predicted = self._predicted(prompts)
         ids = [int(i) for i in prompts.meta.get("prompt_id", range(prompts.size))]
-        predicted = self.lengths.predict(ids, fallback=0.0)
         samples = int(str(attrs.get("n", 1))) if isinstance(attrs, Mapping) else 1
         return choose_instances(predicted, samples, range(1, self.world + 1), DecodeCurve(self.decode),
-                                self.cost_weight, start_s=self.overhead_s,
-                                profiles=self.lengths.predict_profiles(ids, samples, fallback=0.0))
+                                self.policy.cost_weight, start_s=self.overhead_s,
+                                profiles=self.lengths.predict_profiles(ids, samples, fallback=0.0)
+                                if self.policy.predict else None)
 
     def _measure(self, results: Sequence[Any], used: Sequence[Usage], choice: ScaleChoice | None,
                  wall_s: float) -> None:
@@ -200,11 +359,16 @@ class ServerlessGroup:
         """The prompts reordered by predicted response length (shortest first), so each instance's contiguous
         shard holds prompts of similar length; `order[i]` is the original position of the i-th prompt."""
         prompts: Batch = args[1]
-        ids = [int(i) for i in prompts.meta.get("prompt_id", range(prompts.size))]
-        predicted = self.lengths.predict(ids, fallback=0.0)
-        runs = ranked_runs(predicted, instances)
+        runs = ranked_runs(self._predicted(prompts), instances)
         order = [i for run in runs for i in run]
         return (args[0], prompts.select(order), *args[2:]), order
+
+    def _predicted(self, prompts: Batch) -> list[float]:
+        """Each prompt's predicted response length (without prediction: the last batch's mean for all)."""
+        ids = [int(i) for i in prompts.meta.get("prompt_id", range(prompts.size))]
+        if not self.policy.predict:
+            return [self.lengths.mean] * len(ids)
+        return self.lengths.predict(ids, fallback=0.0)
 
     def _learn_and_restore(self, rollout: Batch, order: list[int] | None) -> Batch:
         """The rollout in the prompts' own order (each sample's group id names its prompt there again), and the
@@ -221,5 +385,15 @@ class ServerlessGroup:
         return rollout
 
     def take_usage(self) -> list[Usage]:
-        out, self.usage = self.usage, []
+        """The instance tasks finished since the last call (pre-warmed ones released unused included, once they
+        have returned)."""
+        with self.lock:
+            if self.unused:
+                done, _ = ray.wait([w.refs[1] for w, _ in self.unused], num_returns=len(self.unused), timeout=0)
+                ready = set(done)
+                for w, method in [x for x in self.unused if x[0].refs[1] in ready]:
+                    self.usage.append(self._usage(method, ray.get(w.refs[1])))
+                    self.mailbox.close.remote(w.box)
+                self.unused = [x for x in self.unused if x[0].refs[1] not in ready]
+            out, self.usage = self.usage, []
         return out

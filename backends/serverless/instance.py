@@ -11,10 +11,16 @@ pool with no work holds no slot (scale to zero). An instance lost mid-call is re
 call runs again on another process (a cold start in the cost report) with the same versions and seeds, so it
 returns what the lost one would have. An update returns its models' new state as a third result,
 which stays in the object store (`num_returns=3`): the driver keeps only its reference.
+
+A pre-warmed instance (`prewarm`) is a task started before its stage, from the step history: it builds and
+loads its models, then waits (holding its slot, idle) for the call in its `Mailbox` box, and serves it as
+`serve` would. With `Build.keep_warm` false an instance drops its models when its task ends (nothing held in
+host memory between tasks, every task a cold start unless pre-warmed).
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from collections.abc import Mapping, Sequence
@@ -23,6 +29,7 @@ from typing import Any
 
 import ray
 
+from flowrl.backends.serverless import migrate
 from flowrl.ir.graph import ModelDecl
 from flowrl.runtime.dispatch import UPDATES
 from flowrl.runtime.worker import ModelWorker
@@ -38,6 +45,7 @@ class Build:
     all_models: tuple[ModelDecl, ...]
     seed: int
     device: str
+    keep_warm: bool = True  # keep the built models in the process between tasks
 
 
 @dataclass
@@ -49,13 +57,9 @@ class _Entry:
 _CACHE: dict[tuple[str, str], _Entry] = {}
 
 
-def serve(key: tuple[str, str], build: Build, wanted: Mapping[str, tuple[int, Sequence[Any]]], method: str,
-          args: tuple[Any, ...], kwargs: dict[str, Any], new_version: int,
-          crash: str | None = None) -> tuple[Any, dict[str, Any], Any]:
-    """Run `ModelWorker.<method>` with the weights `wanted` names -> (result, stats, new state or None).
-
-    `crash` (tests only): a file path; the first attempt that finds no file there creates it and kills this
-    process before running the method, as a machine lost mid-call would (Ray re-runs the task elsewhere)."""
+def _ready(key: tuple[str, str], build: Build,
+           wanted: Mapping[str, tuple[int, Sequence[Any]]]) -> tuple[_Entry, bool, float, float]:
+    """The process's models for `key` at the versions `wanted` names -> (entry, cold, build s, load s)."""
     began = time.perf_counter()
     entry = _CACHE.get(key)
     cold = entry is None
@@ -72,13 +76,22 @@ def serve(key: tuple[str, str], build: Build, wanted: Mapping[str, tuple[int, Se
             state = ray.get(holder[0])  # a model's state, or an update's {model: state} and the model's name
             entry.worker.load_state_dict({model: state[holder[1]] if len(holder) > 1 else state})
             entry.versions[model] = version
-    ready = time.perf_counter()
+    return entry, cold, built - began, time.perf_counter() - built
+
+
+def _run(key: tuple[str, str], build: Build, entry: _Entry, method: str, args: tuple[Any, ...],
+         kwargs: dict[str, Any], new_version: int, crash: str | None) -> tuple[Any, Any, float]:
+    """`ModelWorker.<method>` -> (result, new state of an update or None, seconds)."""
     if crash is not None and not os.path.exists(crash):
         with open(crash, "w") as marker:
             marker.write(str(os.getpid()))
         os._exit(1)
-    result = getattr(entry.worker, method)(*args, **kwargs)
-    done = time.perf_counter()
+    began = time.perf_counter()
+    if method == migrate.METHOD:
+        result: Any = migrate.generate(entry.worker, *args, **kwargs)
+    else:
+        result = getattr(entry.worker, method)(*args, **kwargs)
+    took = time.perf_counter() - began
     state = None
     if method in UPDATES:
         trained = [args[0]] if isinstance(args[0], str) else list(args[0])
@@ -86,12 +99,110 @@ def serve(key: tuple[str, str], build: Build, wanted: Mapping[str, tuple[int, Se
         state = {m: full[m] for m in trained}
         for m in trained:
             entry.versions[m] = new_version
-    stats = {"pid": os.getpid(), "cold": cold, "start_s": built - began, "load_s": ready - built,
-             "run_s": done - ready, "began": time.time() - (time.perf_counter() - began)}
+    if not build.keep_warm:
+        _CACHE.pop(key, None)
+    return result, state, took
+
+
+def serve(key: tuple[str, str], build: Build, wanted: Mapping[str, tuple[int, Sequence[Any]]], method: str,
+          args: tuple[Any, ...], kwargs: dict[str, Any], new_version: int,
+          crash: str | None = None) -> tuple[Any, dict[str, Any], Any]:
+    """Run `ModelWorker.<method>` with the weights `wanted` names -> (result, stats, new state or None).
+
+    `crash` (tests only): a file path; the first attempt that finds no file there creates it and kills this
+    process before running the method, as a machine lost mid-call would (Ray re-runs the task elsewhere)."""
+    wall = time.time()
+    entry, cold, start_s, load_s = _ready(key, build, wanted)
+    result, state, run_s = _run(key, build, entry, method, args, kwargs, new_version, crash)
+    stats = {"pid": os.getpid(), "cold": cold, "start_s": start_s, "load_s": load_s, "run_s": run_s,
+             "began": wall, "wait_s": 0.0, "prewarmed": False, "ready_first": False, "served": True}
     return result, stats, state
+
+
+def prewarm(key: tuple[str, str], build: Build, wanted: Mapping[str, tuple[int, Sequence[Any]]],
+            mailbox: Any, box: str) -> tuple[Any, dict[str, Any], Any]:
+    """A pre-warmed instance: build and load now, then wait for the call put in `box` ([ref to (wanted, method,
+    args, kwargs, new_version, crash)], or None: not needed after all) and serve it -> what `serve` returns
+    (None, stats, None when not needed). Taking from the box does not empty it, so a retried attempt of a lost
+    instance finds the same call."""
+    wall = time.time()
+    entry, cold, start_s, load_s = _ready(key, build, wanted)
+    waiting = time.perf_counter()
+    sent, early = ray.get(mailbox.take.remote(box))
+    wait_s = time.perf_counter() - waiting
+    stats = {"pid": os.getpid(), "cold": cold, "start_s": start_s, "load_s": load_s, "run_s": 0.0, "began": wall,
+             "wait_s": wait_s, "prewarmed": True, "ready_first": early, "served": sent is not None}
+    if sent is None:
+        if not build.keep_warm:
+            _CACHE.pop(key, None)
+        return None, stats, None
+    wanted_now, method, args, kwargs, new_version, crash = ray.get(sent[0])
+    entry, _, _, newer_s = _ready(key, build, wanted_now)  # a version newer than the one loaded ahead
+    result, state, run_s = _run(key, build, entry, method, args, kwargs, new_version, crash)
+    stats.update(load_s=load_s + newer_s, run_s=run_s)
+    return result, stats, state
+
+
+class Mailbox:
+    """Where the driver hands a pre-warmed instance its call (a Ray actor that takes no CPU): `take(box)` waits
+    until `put(box, value)`; `close(box)` forgets a box once its instance returned; `ready(prefix)` returns once
+    an instance waits at an empty box whose name starts with `prefix` (a pool's instance is ready)."""
+
+    def __init__(self) -> None:
+        self.boxes: dict[str, asyncio.Future[Any]] = {}
+        self.takers: set[str] = set()  # boxes an instance waits at
+        self.watchers: list[tuple[str, asyncio.Future[None]]] = []
+        self.words: dict[str, list[Any]] = {}
+        self.word_waiters: dict[str, asyncio.Future[None]] = {}
+
+    async def ready(self, prefix: str) -> None:
+        if not any(b.startswith(prefix) and not self.boxes[b].done() for b in self.takers):
+            watcher = asyncio.get_running_loop().create_future()
+            self.watchers.append((prefix, watcher))
+            await watcher
+
+    def _box(self, box: str) -> asyncio.Future[Any]:
+        if box not in self.boxes:
+            self.boxes[box] = asyncio.get_running_loop().create_future()
+        return self.boxes[box]
+
+    async def take(self, box: str) -> tuple[Any, bool]:
+        """-> (the value, whether the taker was there before it: the instance was ready ahead of its call)."""
+        early = not self._box(box).done()
+        if early:
+            self.takers.add(box)
+            for prefix, watcher in [w for w in self.watchers if box.startswith(w[0])]:
+                watcher.set_result(None)
+                self.watchers.remove((prefix, watcher))
+        return await asyncio.shield(self._box(box)), early
+
+    async def put(self, box: str, value: Any) -> None:
+        if not self._box(box).done():
+            self._box(box).set_result(value)
+
+    async def close(self, box: str) -> None:
+        self.boxes.pop(box, None)
+        self.takers.discard(box)
+        self.words.pop(box, None)
+
+    # a migrating generation's box (backends/serverless/migrate.py): sources offer words, the sink takes them
+    async def offer(self, box: str, word: Any) -> None:
+        self.words.setdefault(box, []).append(word)
+        waiting = self.word_waiters.pop(box, None)
+        if waiting is not None and not waiting.done():
+            waiting.set_result(None)
+
+    async def take_all(self, box: str) -> list[Any]:
+        """The words offered in `box` since the last take (waiting for at least one)."""
+        while not self.words.get(box):
+            waiting = self.word_waiters.setdefault(box, asyncio.get_running_loop().create_future())
+            await waiting
+        return self.words.pop(box)
 
 
 # max_calls=0: the process stays for the next task (warm); max_retries: a task whose process died (a lost
 # instance) runs again on another one, from the same versions and seeds, so the step ends as it would have.
 MAX_RETRIES = 3
 remote_serve = ray.remote(max_calls=0, max_retries=MAX_RETRIES, retry_exceptions=False)(serve)
+remote_prewarm = ray.remote(max_calls=0, max_retries=MAX_RETRIES, retry_exceptions=False)(prewarm)
+remote_mailbox = ray.remote(num_cpus=0)(Mailbox)

@@ -6,14 +6,16 @@ policy is measured in both places. Nothing here touches a device, a process or a
 - `assign`: length-ranked assignment of a step's prompts to generation instances (contiguous runs);
 - `scale`: the generation time and device-seconds of N instances from predicted lengths and a measured
   time-per-decode-step curve, and the cost-weighted choice of N;
-- `migrate`: when an instance's unfinished sequences move (cut-and-migrate) and to which instance.
+- `migrate`: when an instance's unfinished sequences move (cut-and-migrate) and to which instance;
+- `prewarm`: when to start a stage's instances so that they are ready before it starts.
 Imports only the standard library.
 """
 
 from flowrl.elastic.assign import ranked_runs
 from flowrl.elastic.migrate import migration_target, should_migrate
 from flowrl.elastic.predict import LengthPredictor, spearman
+from flowrl.elastic.prewarm import prewarm_delay
 from flowrl.elastic.scale import Candidate, DecodeCurve, ScaleChoice, choose_instances, estimate
 
 __all__ = ["Candidate", "DecodeCurve", "LengthPredictor", "ScaleChoice", "choose_instances", "estimate",
-           "migration_target", "ranked_runs", "should_migrate", "spearman"]
+           "migration_target", "prewarm_delay", "ranked_runs", "should_migrate", "spearman"]

@@ -32,6 +32,11 @@ class LengthPredictor:
         self.profile: dict[Hashable, list[float]] = {}  # EWMA of the sorted sample lengths
         self.total, self.count = 0.0, 0
 
+    @property
+    def mean(self) -> float:
+        """The mean of every length observed so far (0 before any)."""
+        return self.total / self.count if self.count else 0.0
+
     def predict(self, prompt_ids: Sequence[Hashable], fallback: float) -> list[float]:
         """One predicted length per prompt id."""
         seen = [self.ewma[p] for p in prompt_ids if p in self.ewma]

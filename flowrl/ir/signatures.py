@@ -217,6 +217,10 @@ RUN_KEYS: dict[str, tuple[str, Value]] = {
     "log_every": ("int", 10),  # steps between progress lines when stderr is not a terminal
     "max_staleness": ("int", 0),  # 0: synchronous; K >= 1: generation runs ahead, samples at most K updates old
     "cost_weight": ("float", 0.5),  # serverless: 1 buys the fastest generation, 0 the fewest device-seconds
+    "prewarm": ("bool", True),  # serverless: start instances ahead of their stage, from the step history
+    "prewarm_margin": ("float", 0.05),  # serverless: seconds before the stage's earliest start they are ready
+    "keep_warm": ("bool", True),
+    "migrate_at": ("float", 0.7),  # serverless: an instance hands its unfinished rows over at this fraction done  # serverless: instances keep their models in host memory between tasks
     "gpu_hour": ("float", 0.0),  # price of a device-hour, for money in the cost report (0: device-seconds only)
     "cpu_hour": ("float", 0.0),  # price of the controller's host per hour of the run
 }

@@ -86,9 +86,14 @@ class CostMeter:
 
     def _elastic(self, usage: Sequence[Any]) -> dict[str, float]:
         """Elastic pools hold a device only while an instance runs: held = the instances' task time (building
-        the models on a cold start, loading newer weights, running), busy = running."""
+        the models on a cold start, loading newer weights, a pre-warmed instance's wait for its call, running),
+        busy = running, idle = the waits. `prewarmed_s`: what pre-warmed instances held before their call came;
+        `cold_starts_waited`: cold starts a call waited for (not pre-warmed, or pre-warmed too late);
+        `prewarm_ready|late|unused`: pre-warmed instances ready before their call, not ready, not needed."""
         out: dict[str, float] = {}
-        totals = dict.fromkeys(("held_s", "busy_s", "starting_s", "loading_s", "cold_starts", "warm_starts"), 0.0)
+        totals = dict.fromkeys(("held_s", "busy_s", "starting_s", "loading_s", "waiting_s", "prewarmed_s",
+                                "cold_starts", "warm_starts", "cold_starts_waited", "prewarm_ready",
+                                "prewarm_late", "prewarm_unused"), 0.0)
         names = list(dict.fromkeys([p.name for p in self.pools] + [u.pool for u in usage]))  # + stage-kind pools
         for name in names:
             mine = [u for u in usage if u.pool == name]
@@ -99,8 +104,14 @@ class CostMeter:
             totals["busy_s"] += busy
             totals["starting_s"] += sum(u.start_s for u in mine)
             totals["loading_s"] += sum(u.load_s for u in mine)
+            totals["waiting_s"] += sum(u.wait_s for u in mine)
+            totals["prewarmed_s"] += sum(u.ahead_s for u in mine)
             totals["cold_starts"] += sum(1 for u in mine if u.cold)
             totals["warm_starts"] += sum(1 for u in mine if not u.cold)
+            totals["cold_starts_waited"] += sum(1 for u in mine if u.cold and u.served and not u.ready_first)
+            totals["prewarm_ready"] += sum(1 for u in mine if u.ready_first)
+            totals["prewarm_late"] += sum(1 for u in mine if u.prewarmed and u.served and not u.ready_first)
+            totals["prewarm_unused"] += sum(1 for u in mine if not u.served)
         totals["idle_s"] = max(0.0, totals["held_s"] - totals["busy_s"] - totals["starting_s"] - totals["loading_s"])
         out.update({PREFIX + k: v for k, v in totals.items()})
         self.first = False
@@ -125,7 +136,8 @@ def summary(rows: Sequence[Mapping[str, Any]], pools: Sequence[Pool], gpu_hour: 
             continue
         out["pools"].append({"pool": name, "devices": devices.get(name, 0), "held_s": held, "busy_s": busy,
                              "utilization": busy / held if held else 0.0})
-    for key in ("held_s", "busy_s", "idle_s", "starting_s", "loading_s", "cold_starts", "warm_starts"):
+    for key in ("held_s", "busy_s", "idle_s", "starting_s", "loading_s", "prewarmed_s", "cold_starts",
+                "warm_starts", "cold_starts_waited", "prewarm_ready"):
         out[key] = total(PREFIX + key)
     out["utilization"] = out["busy_s"] / out["held_s"] if out["held_s"] else 0.0
     if gpu_hour or cpu_hour:
@@ -141,8 +153,8 @@ def summary(rows: Sequence[Mapping[str, Any]], pools: Sequence[Pool], gpu_hour: 
 def instance_spans(usage: Sequence[Any], step: int, t0_wall: float) -> list[Span]:
     """An elastic backend's instance tasks as trace spans, one track per pool (`POOL instances`): where device
     time goes, beside the nodes' own spans."""
-    return [Span(f"instance {u.pid}" + (" (cold)" if u.cold else ""), "held", f"{u.pool} instances", step,
-                 u.began - t0_wall, u.held_s) for u in usage]
+    return [Span(f"instance {u.pid}" + (" (cold)" if u.cold else "") + (" (pre-warmed)" if u.prewarmed else ""),
+                 "held", f"{u.pool} instances", step, u.began - t0_wall, u.held_s) for u in usage]
 
 
 def table(report: Mapping[str, Any]) -> str:
@@ -155,7 +167,9 @@ def table(report: Mapping[str, Any]) -> str:
                      f"{p['utilization']:>6.0%}" + (f" {p['money']:>10.4f}" if money else ""))
     lines.append(f"{'all':<12} {'':>7} {report['held_s']:>11.1f} {report['busy_s']:>11.1f} "
                  f"{report['utilization']:>6.0%}" + (f" {money['devices']:>10.4f}" if money else "") +
-                 f"   (starting {report['starting_s']:.1f} dev-s, {int(report['cold_starts'])} cold starts)")
+                 f"   (starting {report['starting_s']:.1f} dev-s, {int(report['cold_starts'])} cold starts"
+                 + (f", {int(report.get('prewarm_ready', 0))} pre-warmed ahead of their stage"
+                    if report.get("prewarm_ready") else "") + ")")
     if money:
         lines.append(f"money: {money['total']:.4f} = devices {money['devices']:.4f} at {money['gpu_hour']:g} a "
                      f"device-hour + controller {money['controller']:.4f} at {money['cpu_hour']:g} an hour")

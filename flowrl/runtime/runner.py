@@ -128,6 +128,7 @@ def run(graph: Graph, *, out_dir: str | Path, backend: Backend, steps: int | Non
         wall0 = time.time() - time.perf_counter()  # wall clock minus perf_counter: instance tasks report wall time
         for step in range(start + 1, total + 1):
             began = time.perf_counter()
+            be.begin_step(step)
             res = ahead.step(step) if ahead is not None else ctl.step(step)
             row: dict[str, Any] = {"step": step, **res.metrics, "step_time_s": time.perf_counter() - began}
             row["tokens_per_s"] = row.get("gen_tokens", 0.0) / max(row["step_time_s"], 1e-9)

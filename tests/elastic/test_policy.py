@@ -161,3 +161,11 @@ def test_resample_keeps_the_spread() -> None:
     assert resample([1.0, 2.0, 6.0], 1) == [3.0]  # one sample: the group's mean
     assert resample([4.0], 3) == [4.0, 4.0, 4.0]
     assert resample([0.0, 10.0], 5) == [0.0, 2.5, 5.0, 7.5, 10.0]
+
+
+def test_prewarm_starts_a_stage_its_start_time_and_a_margin_before_its_earliest_start() -> None:
+    from flowrl.elastic import prewarm_delay
+
+    assert prewarm_delay([], ready_s=0.2) is None  # no history: nothing to go by
+    assert prewarm_delay([0.9, 0.5, 0.7], ready_s=0.2, margin_s=0.05) == pytest.approx(0.25)
+    assert prewarm_delay([0.1], ready_s=0.2, margin_s=0.05) == 0.0  # less time than a start: at the step's start

@@ -5,6 +5,7 @@ length-ranked assignment of prompts to instances."""
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,7 @@ from flowrl.runtime.batch import Batch
 pytestmark = [pytest.mark.ray, pytest.mark.usefixtures("ray_session")]
 
 def numbers(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [{k: v for k, v in r.items() if not k.startswith(("time/", "cost/", "async/", "scale/"))
+    return [{k: v for k, v in r.items() if not k.startswith(("time/", "cost/", "async/", "scale/", "migrate/"))
              and k not in ("step_time_s", "tokens_per_s")} for r in rows]
 
 
@@ -138,3 +139,118 @@ def test_without_placement_the_cost_report_has_a_pool_per_stage_kind(tmp_path: P
     for row in res.metrics:
         assert row["cost/held_s"] == pytest.approx(sum(row.get(f"cost/{k}/held_s", 0.0) for k in
                                                        ("generation", "inference", "training", "setup", "colocated")))
+
+
+def test_prewarm_hides_a_cold_start(tmp_path: Path, split_grpo: Callable[..., Graph],
+                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """keep_warm = false: every instance builds its models when it starts (a cold start). From step 2 on, the
+    history says when the train pool's first call (the update) comes, so its instance is started ahead and is
+    ready before the call: the update does not wait for the start. The history allows it by construction: the
+    reward, which runs before the update, waits until a pre-warmed train instance is ready (an event); without
+    pre-warming the update's instance starts cold when called. Same numbers either way."""
+    import types
+
+    from flowrl.backends.serverless import ServerlessBackend
+
+    split_grpo()
+    text = tmp_path / "f.flow"
+    base = (text.read_text().replace("actor.update, ref -> train", "actor.update -> train\n    ref -> gen")
+            .replace('"digits.reward"', '"prewarm_gate.reward"'))
+    runs: dict[str, Any] = {}
+    for mode in ("off", "on"):
+        be = ServerlessBackend()
+
+        def reward(prompt: str, response: str, be: ServerlessBackend = be, **_: Any) -> float:
+            train = be.groups["train"]
+            if train.offsets and train.policy.prewarm:  # step 2 on: wait for the pre-warmed instance
+                ray.get(train.mailbox.ready.remote(f"{train.key[0]}/train/"), timeout=300)
+            return float(sum(c.isdigit() for c in response))
+
+        monkeypatch.setitem(sys.modules, "prewarm_gate", types.SimpleNamespace(reward=reward))
+        text.write_text(base.replace("max_staleness = 0", f"max_staleness = 0, keep_warm = false, prewarm = "
+                                     f"{'true' if mode == 'on' else 'false'}"))
+        runs[mode] = flowrl.run(flowrl.load(str(text)), out_dir=tmp_path / mode, backend=be)
+    _same(numbers(runs["on"].metrics), numbers(runs["off"].metrics))
+    for mode, res in runs.items():
+        events = [e for e in json.loads((tmp_path / mode / "trace.json").read_text())["traceEvents"]
+                  if e.get("ph") == "X" and e["cat"] == "held" and e["args"]["step"] >= 2]
+        train = [e["name"] for e in events if e["tid"] == _track(tmp_path / mode, "train instances")]
+        assert train and all("(cold)" in n for n in train)  # keep_warm = false: every start builds the models
+        ready = [r["cost/prewarm_ready"] for r in res.metrics[1:]]
+        if mode == "on":
+            assert all("(pre-warmed)" in n for n in train) and ready == [1.0] * len(ready)
+        else:
+            assert not any("(pre-warmed)" in n for n in train) and ready == [0.0] * len(ready)
+        for row in res.metrics:
+            parts = row["cost/busy_s"] + row["cost/starting_s"] + row["cost/loading_s"] + row["cost/idle_s"]
+            assert row["cost/held_s"] == pytest.approx(parts)
+
+
+def _track(run: Path, name: str) -> int:
+    return next(e["tid"] for e in json.loads((run / "trace.json").read_text())["traceEvents"]
+                if e.get("ph") == "M" and e["name"] == "thread_name" and e["args"]["name"] == name)
+
+
+def _long_grpo(split_grpo: Callable[..., Graph], tmp_path: Path, run: str = "") -> Graph:
+    """The split GRPO flow with responses up to 24 tokens (an untrained model ends them at random lengths)."""
+    split_grpo(gen="3", run=run)
+    text = tmp_path / "f.flow"
+    text.write_text(text.read_text().replace("max_tokens = 3", "max_tokens = 24"))
+    return flowrl.load(str(text))
+
+
+def test_a_source_hands_over_exactly_its_unfinished_sequences_and_the_sink_ends_them_as_without(
+        tmp_path: Path, split_grpo: Callable[..., Graph]) -> None:
+    """One instance's part run here: at tau = 0.5 the source returns the samples that finished and offers the
+    rest (with their decoding state) to the sink's box: together exactly its samples, none twice. The sink
+    resumes them with its own rows, and the tokens are those `generate` gives each shard without migration."""
+    from flowrl.backends.serverless import migrate
+    from flowrl.backends.serverless.instance import remote_mailbox
+    from flowrl.runtime.chunks import assemble
+    from flowrl.runtime.worker import ModelWorker
+
+    graph = _long_grpo(split_grpo, tmp_path)
+    attrs = dict(next(n for n in graph.nodes if n.op == "generate").attrs)
+    worker = ModelWorker((graph.model("actor"),), graph.models, seed=5, device="cpu")
+    prompts = Batch(4, {}, {"prompt": ["1+2=", "3+3=", "0+1=", "2+2="], "prompt_id": [0, 1, 2, 3]})
+    source, sink = prompts.select([0, 1]), prompts.select([2, 3])
+    mailbox = remote_mailbox.remote()
+    done, info = migrate.generate(worker, "actor", source, attrs, step_seed=11, first_prompt=0,
+                                  role=migrate.Role("m", 0.5), mailbox=mailbox)
+    finished = sorted(int(s) for b in done for s in b["sample"])
+    assert info["moved_out"] > 0 and len(finished) >= 0.5 * 8  # it cut at tau, with sequences left
+    (word,) = ray.get(mailbox.take_all.remote("m"))
+    tail = ray.get(word[0])
+    moved = sorted(int(s) for s in tail.samples)
+    assert len(moved) == info["moved_out"] == 8 - len(finished)
+    assert sorted(finished + moved) == list(range(8))  # exactly the unfinished ones, nothing lost or doubled
+
+    mailbox.offer.remote("n", [ray.put(tail)])
+    own, got = migrate.generate(worker, "actor", sink, attrs, step_seed=12, first_prompt=2,
+                                role=migrate.Role("n", 0.5, sources=1), mailbox=mailbox)
+    assert got == {"moved_out": 0, "moved_in": len(moved)}
+    whole = migrate.merge([done, own], prompts)
+    alone = [worker.generate("actor", source, attrs, step_seed=11), worker.generate("actor", sink, attrs,
+                                                                                     step_seed=12)]
+    expect = assemble([alone[0], alone[1]], [torch.arange(8), torch.arange(8, 16)])
+    width = int(whole["response_mask"].sum(1).max())
+    mask = whole["response_mask"][:, :width]
+    assert torch.equal(mask, expect["response_mask"][:, :width])
+    for key in ("response_ids", "gen_logp"):  # where the mask is 1 (padding differs: pad id vs 0)
+        assert torch.allclose((whole[key][:, :width] * mask).float(), (expect[key][:, :width] * mask).float(),
+                              atol=1e-6), key
+    assert whole.meta["prompt_id"] == [i for i in range(4) for _ in range(4)]
+
+
+def test_migration_gives_the_samples_of_a_run_without_it(tmp_path: Path, split_grpo: Callable[..., Graph]) -> None:
+    """Three generation instances every step (scaling off): with migrate_at = 0.5 sources hand their tails to
+    the sink, and the run's numbers are those with migrate_at = 1 (never)."""
+    from flowrl.backends.serverless import ServerlessBackend
+
+    moved = flowrl.run(_long_grpo(split_grpo, tmp_path, ", migrate_at = 0.5"), out_dir=tmp_path / "moved",
+                       backend=ServerlessBackend(ablate={"scale"}))
+    kept = flowrl.run(_long_grpo(split_grpo, tmp_path, ", migrate_at = 1.0"), out_dir=tmp_path / "kept",
+                      backend=ServerlessBackend(ablate={"scale"}))
+    assert sum(r["migrate/gen/moved"] for r in moved.metrics) > 0
+    assert all("migrate/gen/moved" not in r for r in kept.metrics)
+    _same(numbers(moved.metrics), numbers(kept.metrics))

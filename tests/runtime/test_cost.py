@@ -97,3 +97,11 @@ def test_a_negative_price_is_a_located_error(tmp_path: Path) -> None:
                                 "    run { gpu_hour = -1.5 }\n"
                                 "                     ^^^^\n"
                                 "hint: a price per hour; 0 leaves money out of the cost report")
+
+
+def test_a_negative_prewarm_margin_is_a_located_error(tmp_path: Path) -> None:
+    (tmp_path / "data.jsonl").write_text(json.dumps({"prompt": "1+1=", "answer": 2}) + "\n")
+    (tmp_path / "f.flow").write_text(FLOW.replace("run { steps = 3, seed = 2 }", "run { prewarm_margin = -1 }"))
+    with pytest.raises(flowrl.FlowError) as e:
+        flowrl.load(str(tmp_path / "f.flow"))
+    assert e.value.render().startswith(f"{tmp_path / 'f.flow'}:14:24: error: `prewarm_margin` must be at least 0\n")
