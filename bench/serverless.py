@@ -8,6 +8,13 @@ the whole step; serverless instances only while their task runs), and the mean r
 both: one instance per pool draws with rank 0's seed, as the Ray backend does).
 
     python bench/serverless.py --rounds 2 --steps 16
+
+`--curve`: the same workload with the generation pool elastic at 1..2 instances (the Ray backend's fixed pool
+at 2), serverless at cost_weight (lambda) 0, 0.5 and 1, and at 0.5 with each of the mechanisms switched off one
+at a time (ServerlessBackend(ablate=...): length prediction, length-ranked assignment, cut-and-migrate, the
+cost-aware count); configurations alternate in order within each round, reversed every other round.
+
+    python bench/serverless.py --curve --rounds 2 --steps 12
 """
 
 from __future__ import annotations
@@ -36,13 +43,69 @@ def measure(backend: str, steps: int, skip: int, out: Path) -> dict[str, Any]:
             "reward": statistics.mean(r["reward_mean"] for r in rows)}
 
 
+def flow_file(out: Path, rollout: str) -> Path:
+    """examples/longtail_grpo.flow with pool rollout's `gpus` set to `rollout` (its data path made absolute)."""
+    text = FLOW.read_text().replace("pool rollout { gpus = 1 }", f"pool rollout {{ {rollout} }}")
+    text = text.replace('jsonl("data/longtail.jsonl")', f'jsonl("{FLOW.parent / "data" / "longtail.jsonl"}")')
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"longtail_{rollout.split()[2].replace('..', '_')}.flow"
+    path.write_text(text)
+    return path
+
+
+CURVE = [("ray (fixed pools)", "ray", 0.5, ()), ("serverless lambda 0", "serverless", 0.0, ()),
+         ("serverless lambda 0.5", "serverless", 0.5, ()), ("serverless lambda 1", "serverless", 1.0, ()),
+         ("lambda 0.5, no prediction", "serverless", 0.5, ("predict",)),
+         ("lambda 0.5, no ranked assignment", "serverless", 0.5, ("assign",)),
+         ("lambda 0.5, no migration", "serverless", 0.5, ("migrate",)),
+         ("lambda 0.5, no cost-aware count", "serverless", 0.5, ("scale",))]
+
+
+def curve(args: argparse.Namespace) -> None:
+    from flowrl.backends.serverless import ServerlessBackend
+
+    out = Path(args.out) / "curve"
+    fixed, elastic = flow_file(out, "gpus = 2"), flow_file(out, "gpus = 1..2, elastic = true")
+    rows = []
+    for r in range(args.rounds):
+        for name, be, lam, off in (CURVE if r % 2 == 0 else CURVE[::-1]):
+            graph = flowrl.load(str(fixed if be == "ray" else elastic),
+                                overrides={"run.checkpoint_every": "0", "run.cost_weight": str(lam)})
+            backend: Any = be if be == "ray" else ServerlessBackend(ablate=off)
+            res = flowrl.run(graph, out_dir=out / f"{len(rows)}", backend=backend, steps=args.steps,
+                             overwrite=True).metrics[args.skip:]
+            row = {"round": r + 1, "config": name, "step_s": statistics.median(x["step_time_s"] for x in res),
+                   "held_s": statistics.median(x["cost/held_s"] for x in res),
+                   "instances": statistics.mean(x.get("scale/rollout/instances", 2.0) for x in res),
+                   "moved": statistics.mean(x.get("migrate/rollout/moved", 0.0) for x in res),
+                   "reward": statistics.mean(x["reward_mean"] for x in res)}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    print("\n| configuration | step, median (rounds) | held device-s / step (rounds) | vs fixed: step, held | "
+          "instances | moved rows / step |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    base = [x for x in rows if x["config"] == CURVE[0][0]]
+    for name, *_ in CURVE:
+        mine = [x for x in rows if x["config"] == name]
+        step = statistics.mean(x["step_s"] for x in mine) / statistics.mean(x["step_s"] for x in base)
+        held = statistics.mean(x["held_s"] for x in mine) / statistics.mean(x["held_s"] for x in base)
+        steps = ", ".join(f"{x['step_s']:.3f}" for x in mine)
+        helds = ", ".join(f"{x['held_s']:.3f}" for x in mine)
+        print(f"| {name} | {steps} s | {helds} | {step:.2f}x, {held - 1:+.0%} | "
+              f"{statistics.mean(x['instances'] for x in mine):.2f} | {statistics.mean(x['moved'] for x in mine):.1f} |")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--skip", type=int, default=4)
     p.add_argument("--out", default=str(ROOT / "bench" / "out" / "serverless"))
+    p.add_argument("--curve", action="store_true", help="the lambda curve and the ablation (see above)")
     args = p.parse_args()
+    if args.curve:
+        curve(args)
+        return
     rows = []
     for r in range(args.rounds):
         for be in (("ray", "serverless") if r % 2 == 0 else ("serverless", "ray")):
