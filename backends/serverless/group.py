@@ -8,9 +8,10 @@ response lengths, contiguous runs to instances, so instances holding short work 
 early; the rollout is put back in the prompts' order. With `migrate_at` < 1 the instances cut and migrate
 (backends/serverless/migrate.py): an instance that finished that fraction of its sequences hands the rest to
 the one holding the longest predicted work and releases its slot. From the step history, the instances a
-group's first call of a step will want are pre-warmed (instance.prewarm). The group's weights are versions in the object store:
-an update's new state becomes the current version; `after_update` / `load_snapshot` hand a version to the
-other groups holding the model (a reference, no copy: an instance loads it when it next needs it).
+group's first call of a step will want are pre-warmed (instance.prewarm). The group's weights are versions in
+the object store: an update's new state becomes the current version; `after_update` / `load_snapshot` hand a
+version to the other groups holding the model (a reference, no copy: an instance loads it when it next needs
+it).
 """
 
 from __future__ import annotations
@@ -99,7 +100,7 @@ class ServerlessFuture:
         self.group, self.plan, self.refs, self.order, self.choice = group, plan, refs, order, choice
         self.migrating = migrating  # a migrating generation's (ranked) prompts
         self.first = first  # the group's first call of the step (the one pre-warming aims at)
-        self.boxes = list(boxes)  # the mailbox boxes of the pre-warmed instances serving it
+        self.boxes = list(boxes)  # mailbox boxes to close after: pre-warmed instances', a migration's
         self.sent = time.perf_counter()
 
     def result(self) -> Any:
@@ -169,7 +170,7 @@ class ServerlessGroup:
                 args, order = self._ranked(args, world)
         plan = dispatch.plan(method, args, kwargs, mode, world)
         migrating = args[1] if method == "generate" and len(plan.calls) > 1 and self.policy.tau < 1.0 else None
-        migration = f"{self.key[0]}/{self.name}/migrate-{next(self.boxes)}"
+        migration = f"{self.key[0]}/{self.name}/migrate-{next(self.boxes)}" if migrating is not None else ""
         new = next(VERSIONS) if method in dispatch.UPDATES else 0
         wanted = {m: self.state[m] for m in self.models}
         self.calls[method] = self.calls.get(method, 0) + 1
@@ -177,7 +178,7 @@ class ServerlessGroup:
         marker = crash[2] if crash is not None and (crash[0], crash[1]) == (method, self.calls[method]) else None
         first, warm = self._arrived(len(plan.calls), method)
         refs: list[list[ray.ObjectRef]] = []
-        boxes = [w.box for w in warm]
+        boxes = [w.box for w in warm] + ([migration] if migrating is not None else [])
         for c in plan.calls:
             lost = marker if c.rank == 0 else None
             how, kw = method, c.kwargs

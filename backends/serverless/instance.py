@@ -192,12 +192,13 @@ class Mailbox:
         if waiting is not None and not waiting.done():
             waiting.set_result(None)
 
-    async def take_all(self, box: str) -> list[Any]:
-        """The words offered in `box` since the last take (waiting for at least one)."""
-        while not self.words.get(box):
+    async def take_all(self, box: str, since: int = 0) -> list[Any]:
+        """The words offered in `box` after the first `since` (waiting for at least one). Words stay until the
+        box is closed, so a sink's retried attempt (its process lost) reads them all again."""
+        while len(self.words.get(box, [])) <= since:
             waiting = self.word_waiters.setdefault(box, asyncio.get_running_loop().create_future())
             await waiting
-        return self.words.pop(box)
+        return self.words[box][since:]
 
 
 # max_calls=0: the process stays for the next task (warm); max_retries: a task whose process died (a lost

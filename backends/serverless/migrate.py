@@ -116,7 +116,7 @@ class _Inbox:
         words = ray.get(self.pending)
         self.heard += len(words)
         if not self.heard_all:
-            self.pending = self.mailbox.take_all.remote(self.box)
+            self.pending = self.mailbox.take_all.remote(self.box, self.heard)
         return [ray.get(w[0]) for w in words if w is not None]
 
 
