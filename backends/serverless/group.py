@@ -59,10 +59,11 @@ class Usage:
     prewarmed: bool = False  # started ahead of its stage (`prewarm`)
     ready_first: bool = False  # pre-warmed and ready before its call came: the stage did not wait for its start
     served: bool = True  # False: pre-warmed, then not needed (the call came before it was started, or never)
+    lost_s: float = 0.0  # an attempt whose process was lost: from its start to its retry's (Ray re-ran the task)
 
     @property
     def held_s(self) -> float:
-        return self.start_s + self.load_s + self.wait_s + self.run_s
+        return self.start_s + self.load_s + self.wait_s + self.run_s + self.lost_s
 
     @property
     def ahead_s(self) -> float:
@@ -96,8 +97,9 @@ class Warm:
 class ServerlessFuture:
     def __init__(self, group: ServerlessGroup, plan: dispatch.Plan, refs: list[list[ray.ObjectRef]],
                  order: list[int] | None, choice: ScaleChoice | None = None, first: bool = False,
-                 boxes: Sequence[str] = (), migrating: Batch | None = None):
+                 boxes: Sequence[str] = (), migrating: Batch | None = None, tokens: Sequence[str] = ()):
         self.group, self.plan, self.refs, self.order, self.choice = group, plan, refs, order, choice
+        self.tokens = list(tokens)  # each instance task's token in the ledger of attempts
         self.migrating = migrating  # a migrating generation's (ranked) prompts
         self.first = first  # the group's first call of the step (the one pre-warming aims at)
         self.boxes = list(boxes)  # mailbox boxes to close after: pre-warmed instances', a migration's
@@ -106,7 +108,7 @@ class ServerlessFuture:
     def result(self) -> Any:
         try:
             return self.group.finish(self.plan, self.refs, self.order, self.choice, self.sent, self.first,
-                                     self.migrating)
+                                     self.migrating, self.tokens)
         finally:
             for box in self.boxes:
                 self.group.mailbox.close.remote(box)
@@ -150,6 +152,7 @@ class ServerlessGroup:
         self.unused: list[tuple[Warm, str]] = []  # told they are not needed; their usage not yet taken
         self.boxes = itertools.count()
         self.first_method = "generate"  # the method of the step's first call (its pool counts unused instances)
+        self.finished: dict[str, Usage] = {}  # ledger token -> the usage its finished attempt reported
 
     def start(self) -> None:
         """One instance builds the models once (the pool's first cold start) and tells their pad ids."""
@@ -179,6 +182,7 @@ class ServerlessGroup:
         first, warm = self._arrived(len(plan.calls), method)
         refs: list[list[ray.ObjectRef]] = []
         boxes = [w.box for w in warm] + ([migration] if migrating is not None else [])
+        tokens: list[str] = []
         for c in plan.calls:
             lost = marker if c.rank == 0 else None
             how, kw = method, c.kwargs
@@ -190,21 +194,27 @@ class ServerlessGroup:
                 w = warm.pop()
                 self.mailbox.put.remote(w.box, [ray.put((wanted, how, c.args, kw, new, lost))])
                 refs.append(w.refs)
+                tokens.append(w.box)
             else:
+                token = f"{self.key[0]}/{self.name}/task-{next(self.boxes)}"
+                ledger = (self.mailbox, token) if self.mailbox is not None else None
                 refs.append(list(remote_serve.options(num_cpus=self.cpus, resources={SLOT: 1}, num_returns=3).remote(
-                    self.key, self.build, wanted, how, c.args, kw, new, lost)))
+                    self.key, self.build, wanted, how, c.args, kw, new, lost, ledger)))
+                tokens.append(token)
         if method in dispatch.UPDATES:
             trained = [args[0]] if isinstance(args[0], str) else list(args[0])
             for m in trained:  # the new version: the update's third result ({model: state}), kept in the store
                 self.state[m] = (new, [refs[0][2], m])
-        return ServerlessFuture(self, plan, refs, order, choice, first, boxes, migrating)
+        return ServerlessFuture(self, plan, refs, order, choice, first, boxes, migrating, tokens)
 
     def finish(self, plan: dispatch.Plan, refs: list[list[ray.ObjectRef]], order: list[int] | None,
                choice: ScaleChoice | None = None, sent: float = 0.0, first: bool = False,
-               migrating: Batch | None = None) -> Any:
-        results = ray.get([r[0] for r in refs])
-        used = [self._usage(plan.method, st) for st in ray.get([r[1] for r in refs])]
+               migrating: Batch | None = None, tokens: Sequence[str] = ()) -> Any:
+        got = ray.get([r[0] for r in refs] + [r[1] for r in refs])
+        results = got[:len(refs)]
+        used = [self._usage(plan.method, st) for st in got[len(refs):]]
         self.usage.extend(used)
+        self.finished.update(zip(tokens, used, strict=False))
         self._learn_start(used, first)
         model = plan.calls[0].args[0] if plan.calls[0].args else None
         if migrating is not None:  # each instance: (its finished rows, what moved)
@@ -394,7 +404,25 @@ class ServerlessGroup:
                 ready = set(done)
                 for w, method in [x for x in self.unused if x[0].refs[1] in ready]:
                     self.usage.append(self._usage(method, ray.get(w.refs[1])))
+                    self.finished[w.box] = self.usage[-1]
                     self.mailbox.close.remote(w.box)
                 self.unused = [x for x in self.unused if x[0].refs[1] not in ready]
+            self.usage.extend(self._lost())
             out, self.usage = self.usage, []
+        return out
+
+    def _lost(self) -> list[Usage]:
+        """Attempts whose process was lost (Ray re-ran their task): each held its slot from its start to the next
+        attempt's start, and forced a replacement to start (counted as a cold start)."""
+        if not self.finished or self.mailbox is None:
+            return []
+        attempts = ray.get(self.mailbox.take_attempts.remote(list(self.finished)))
+        out = []
+        for token, tried in attempts.items():
+            kept = self.finished[token]
+            tried = sorted(tried, key=lambda a: a[1])
+            for (pid, began), (_, retried) in zip(tried, tried[1:], strict=False):
+                if pid != kept.pid:
+                    out.append(Usage(kept.pool, self.name, pid, began, 0.0, 0.0, 0.0, True, lost_s=retried - began))
+        self.finished = {}
         return out

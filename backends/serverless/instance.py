@@ -79,12 +79,22 @@ def _ready(key: tuple[str, str], build: Build,
     return entry, cold, built - began, time.perf_counter() - built
 
 
+def _attempt(ledger: tuple[Any, str] | None, wall: float) -> None:
+    """Tell the ledger (the Mailbox actor, the task's token) that an attempt of the task began here, so the
+    driver can count the device time of an attempt whose process was lost (it returns no stats)."""
+    if ledger is not None:
+        ledger[0].began.remote(ledger[1], os.getpid(), wall)
+
+
 def _run(key: tuple[str, str], build: Build, entry: _Entry, method: str, args: tuple[Any, ...],
-         kwargs: dict[str, Any], new_version: int, crash: str | None) -> tuple[Any, Any, float]:
+         kwargs: dict[str, Any], new_version: int, crash: str | None,
+         ledger: tuple[Any, str] | None = None) -> tuple[Any, Any, float]:
     """`ModelWorker.<method>` -> (result, new state of an update or None, seconds)."""
     if crash is not None and not os.path.exists(crash):
         with open(crash, "w") as marker:
             marker.write(str(os.getpid()))
+        if ledger is not None:  # the attempt's record is sent before the process goes (actor calls keep order)
+            ray.get(ledger[0].ping.remote())
         os._exit(1)
     began = time.perf_counter()
     if method == migrate.METHOD:
@@ -106,14 +116,16 @@ def _run(key: tuple[str, str], build: Build, entry: _Entry, method: str, args: t
 
 def serve(key: tuple[str, str], build: Build, wanted: Mapping[str, tuple[int, Sequence[Any]]], method: str,
           args: tuple[Any, ...], kwargs: dict[str, Any], new_version: int,
-          crash: str | None = None) -> tuple[Any, dict[str, Any], Any]:
+          crash: str | None = None, ledger: tuple[Any, str] | None = None) -> tuple[Any, dict[str, Any], Any]:
     """Run `ModelWorker.<method>` with the weights `wanted` names -> (result, stats, new state or None).
 
     `crash` (tests only): a file path; the first attempt that finds no file there creates it and kills this
-    process before running the method, as a machine lost mid-call would (Ray re-runs the task elsewhere)."""
+    process before running the method, as a machine lost mid-call would (Ray re-runs the task elsewhere).
+    `ledger`: (Mailbox, this task's token), told when each attempt begins."""
     wall = time.time()
+    _attempt(ledger, wall)
     entry, cold, start_s, load_s = _ready(key, build, wanted)
-    result, state, run_s = _run(key, build, entry, method, args, kwargs, new_version, crash)
+    result, state, run_s = _run(key, build, entry, method, args, kwargs, new_version, crash, ledger)
     stats = {"pid": os.getpid(), "cold": cold, "start_s": start_s, "load_s": load_s, "run_s": run_s,
              "began": wall, "wait_s": 0.0, "prewarmed": False, "ready_first": False, "served": True}
     return result, stats, state
@@ -126,6 +138,7 @@ def prewarm(key: tuple[str, str], build: Build, wanted: Mapping[str, tuple[int, 
     (None, stats, None when not needed). Taking from the box does not empty it, so a retried attempt of a lost
     instance finds the same call."""
     wall = time.time()
+    _attempt((mailbox, box), wall)
     entry, cold, start_s, load_s = _ready(key, build, wanted)
     waiting = time.perf_counter()
     sent, early = ray.get(mailbox.take.remote(box))
@@ -138,7 +151,7 @@ def prewarm(key: tuple[str, str], build: Build, wanted: Mapping[str, tuple[int, 
         return None, stats, None
     wanted_now, method, args, kwargs, new_version, crash = ray.get(sent[0])
     entry, _, _, newer_s = _ready(key, build, wanted_now)  # a version newer than the one loaded ahead
-    result, state, run_s = _run(key, build, entry, method, args, kwargs, new_version, crash)
+    result, state, run_s = _run(key, build, entry, method, args, kwargs, new_version, crash, (mailbox, box))
     stats.update(load_s=load_s + newer_s, run_s=run_s)
     return result, stats, state
 
@@ -153,6 +166,7 @@ class Mailbox:
         self.takers: set[str] = set()  # boxes an instance waits at
         self.watchers: list[tuple[str, asyncio.Future[None]]] = []
         self.words: dict[str, list[Any]] = {}
+        self.attempts: dict[str, list[tuple[int, float]]] = {}
         self.word_waiters: dict[str, asyncio.Future[None]] = {}
 
     async def ready(self, prefix: str) -> None:
@@ -184,6 +198,17 @@ class Mailbox:
         self.boxes.pop(box, None)
         self.takers.discard(box)
         self.words.pop(box, None)
+
+    # the ledger of attempts: each instance task's attempts tell when they began (a lost one returns nothing)
+    async def began(self, token: str, pid: int, wall: float) -> None:
+        self.attempts.setdefault(token, []).append((pid, wall))
+
+    async def ping(self) -> None:
+        pass
+
+    async def take_attempts(self, tokens: list[str]) -> dict[str, list[tuple[int, float]]]:
+        """The attempts recorded for `tokens` (forgotten here)."""
+        return {t: self.attempts.pop(t) for t in tokens if t in self.attempts}
 
     # a migrating generation's box (backends/serverless/migrate.py): sources offer words, the sink takes them
     async def offer(self, box: str, word: Any) -> None:

@@ -89,11 +89,12 @@ class CostMeter:
         the models on a cold start, loading newer weights, a pre-warmed instance's wait for its call, running),
         busy = running, idle = the waits. `prewarmed_s`: what pre-warmed instances held before their call came;
         `cold_starts_waited`: cold starts a call waited for (not pre-warmed, or pre-warmed too late);
-        `prewarm_ready|late|unused`: pre-warmed instances ready before their call, not ready, not needed."""
+        `prewarm_ready|late|unused`: pre-warmed instances ready before their call, not ready, not needed;
+        `lost_s`, `lost_instances`: attempts whose process was lost (each also a cold start: its replacement)."""
         out: dict[str, float] = {}
         totals = dict.fromkeys(("held_s", "busy_s", "starting_s", "loading_s", "waiting_s", "prewarmed_s",
-                                "cold_starts", "warm_starts", "cold_starts_waited", "prewarm_ready",
-                                "prewarm_late", "prewarm_unused"), 0.0)
+                                "lost_s", "cold_starts", "warm_starts", "cold_starts_waited", "prewarm_ready",
+                                "prewarm_late", "prewarm_unused", "lost_instances"), 0.0)
         names = list(dict.fromkeys([p.name for p in self.pools] + [u.pool for u in usage]))  # + stage-kind pools
         for name in names:
             mine = [u for u in usage if u.pool == name]
@@ -112,7 +113,10 @@ class CostMeter:
             totals["prewarm_ready"] += sum(1 for u in mine if u.ready_first)
             totals["prewarm_late"] += sum(1 for u in mine if u.prewarmed and u.served and not u.ready_first)
             totals["prewarm_unused"] += sum(1 for u in mine if not u.served)
-        totals["idle_s"] = max(0.0, totals["held_s"] - totals["busy_s"] - totals["starting_s"] - totals["loading_s"])
+            totals["lost_s"] += sum(u.lost_s for u in mine)
+            totals["lost_instances"] += sum(1 for u in mine if u.lost_s > 0)
+        totals["idle_s"] = max(0.0, totals["held_s"] - totals["busy_s"] - totals["starting_s"] - totals["loading_s"]
+                               - totals["lost_s"])
         out.update({PREFIX + k: v for k, v in totals.items()})
         self.first = False
         return out
@@ -136,8 +140,8 @@ def summary(rows: Sequence[Mapping[str, Any]], pools: Sequence[Pool], gpu_hour: 
             continue
         out["pools"].append({"pool": name, "devices": devices.get(name, 0), "held_s": held, "busy_s": busy,
                              "utilization": busy / held if held else 0.0})
-    for key in ("held_s", "busy_s", "idle_s", "starting_s", "loading_s", "prewarmed_s", "cold_starts",
-                "warm_starts", "cold_starts_waited", "prewarm_ready"):
+    for key in ("held_s", "busy_s", "idle_s", "starting_s", "loading_s", "prewarmed_s", "lost_s", "cold_starts",
+                "warm_starts", "cold_starts_waited", "prewarm_ready", "lost_instances"):
         out[key] = total(PREFIX + key)
     out["utilization"] = out["busy_s"] / out["held_s"] if out["held_s"] else 0.0
     if gpu_hour or cpu_hour:
@@ -153,7 +157,8 @@ def summary(rows: Sequence[Mapping[str, Any]], pools: Sequence[Pool], gpu_hour: 
 def instance_spans(usage: Sequence[Any], step: int, t0_wall: float) -> list[Span]:
     """An elastic backend's instance tasks as trace spans, one track per pool (`POOL instances`): where device
     time goes, beside the nodes' own spans."""
-    return [Span(f"instance {u.pid}" + (" (cold)" if u.cold else "") + (" (pre-warmed)" if u.prewarmed else ""),
+    return [Span(f"instance {u.pid}" + (" (lost)" if u.lost_s else " (cold)" if u.cold else "") +
+                 (" (pre-warmed)" if u.prewarmed else ""),
                  "held", f"{u.pool} instances", step, u.began - t0_wall, u.held_s) for u in usage]
 
 

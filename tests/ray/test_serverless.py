@@ -69,7 +69,7 @@ def test_the_cost_report_is_the_instance_tasks(tmp_path: Path, split_grpo: Calla
               if e.get("ph") == "X" and e["cat"] == "held"]
     for row in res.metrics:
         parts = row["cost/busy_s"] + row["cost/starting_s"] + row["cost/loading_s"] + row["cost/idle_s"]
-        assert row["cost/held_s"] == pytest.approx(parts)
+        assert row["cost/held_s"] == pytest.approx(parts) and row["cost/lost_s"] == 0.0
         assert row["cost/held_s"] == pytest.approx(row["cost/gen/held_s"] + row["cost/train/held_s"])
         spans = [e for e in events if e["args"]["step"] == row["step"]]  # one span per instance task
         assert sum(e["dur"] for e in spans) / 1e6 == pytest.approx(row["cost/held_s"], abs=1e-4)
@@ -102,7 +102,8 @@ def test_generation_is_assigned_by_predicted_length() -> None:
 def test_an_instance_lost_mid_generation_is_replaced_and_the_step_ends_the_same(tmp_path: Path, split_grpo: Callable[..., Graph]) -> None:
     """The gen pool's 2nd generate call loses its instance's process before it runs: Ray runs the task again on
     another process with the same versions and seeds, and the run's numbers are those of a run that lost
-    nothing. (The lost attempt's device time is not in the cost report yet: Ray retries it unseen.)"""
+    nothing. The lost attempt's device time is in the cost report (from its start to its retry's), as a lost
+    instance and a cold start, and on the trace."""
     from flowrl.backends.serverless import ServerlessBackend
 
     graph = split_grpo()
@@ -112,6 +113,15 @@ def test_an_instance_lost_mid_generation_is_replaced_and_the_step_ends_the_same(
     assert marker.exists()  # the instance really died (its process wrote its pid, then exited)
     whole = flowrl.run(graph, out_dir=tmp_path / "whole", backend="serverless")
     _same(numbers(lost.metrics), numbers(whole.metrics))
+    assert [r["cost/lost_instances"] for r in lost.metrics] == [0.0, 1.0, 0.0, 0.0]
+    assert lost.metrics[1]["cost/lost_s"] > 0 and lost.cost["lost_s"] == lost.metrics[1]["cost/lost_s"]
+    assert all(r["cost/lost_s"] == 0.0 for r in whole.metrics)
+    spans = [e for e in json.loads((tmp_path / "lost" / "trace.json").read_text())["traceEvents"]
+             if e.get("ph") == "X" and e["cat"] == "held" and "(lost)" in e["name"]]
+    assert [e["args"]["step"] for e in spans] == [2]
+    row = lost.metrics[1]
+    parts = row["cost/busy_s"] + row["cost/starting_s"] + row["cost/loading_s"] + row["cost/idle_s"]
+    assert row["cost/held_s"] == pytest.approx(parts + row["cost/lost_s"])
 
 
 def test_each_step_chooses_how_many_instances_generate(tmp_path: Path, split_grpo: Callable[..., Graph]) -> None:
