@@ -13,8 +13,10 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from flowrl.ir.graph import Node
 from flowrl.runtime import dispatch
-from flowrl.runtime.protocol import Future, done
+from flowrl.runtime.batch import Batch
+from flowrl.runtime.protocol import Future, StreamedStage, WorkerGroup, done
 from flowrl.runtime.worker import ModelWorker, group_state, load_group_state
 
 
@@ -53,6 +55,10 @@ class InProcessGroup:
 
     def colocated(self, models: Sequence[str]) -> bool:
         return all(m in self.workers for m in models) and len({id(self.workers[m]) for m in models}) == 1
+
+    def stream_stage(self, gen: Node, forwards: Sequence[Node], prompts: Batch, seed: int,
+                     others: Mapping[str, WorkerGroup]) -> StreamedStage | None:
+        return None  # its ranks are driven one by one (per_rank)
 
     def recover(self) -> None:
         """Nothing to bring back: an in-process rank cannot die apart from the controller."""

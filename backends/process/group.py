@@ -25,10 +25,11 @@ from typing import Any
 import torch
 
 from flowrl.engines.chunked_generation import StreamControl
-from flowrl.ir.graph import ModelDecl
+from flowrl.ir.graph import ModelDecl, Node
 from flowrl.runtime import dispatch
+from flowrl.runtime.batch import Batch
 from flowrl.runtime.chunks import STREAMS
-from flowrl.runtime.protocol import Future, done
+from flowrl.runtime.protocol import Future, StreamedStage, WorkerGroup, done
 from flowrl.runtime.worker import ModelWorker
 
 
@@ -186,6 +187,10 @@ class ProcessRanks:
 
     def colocated(self, models: Sequence[str]) -> bool:
         return all(m in self.models for m in models)  # each rank's models share its one process
+
+    def stream_stage(self, gen: Node, forwards: Sequence[Node], prompts: Batch, seed: int,
+                     others: Mapping[str, WorkerGroup]) -> StreamedStage | None:
+        return None  # its ranks are driven one by one (per_rank)
 
     def recover(self) -> None:
         """Process ranks are not restarted (see the module docstring)."""

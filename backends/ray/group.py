@@ -27,10 +27,11 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from flowrl.backends.ray.actor import RankActor
 from flowrl.errors import FlowError
-from flowrl.ir.graph import ModelDecl
+from flowrl.ir.graph import ModelDecl, Node
 from flowrl.runtime import dispatch
+from flowrl.runtime.batch import Batch
 from flowrl.runtime.chunks import STREAMS
-from flowrl.runtime.protocol import RankLostError
+from flowrl.runtime.protocol import RankLostError, StreamedStage, WorkerGroup
 
 if TYPE_CHECKING:
     from flowrl.backends.ray.sync import WeightSync
@@ -200,6 +201,10 @@ class RayWorkerGroup:
 
     def colocated(self, models: Sequence[str]) -> bool:
         return all(m in self.models for m in models)  # each rank's models share its one actor process
+
+    def stream_stage(self, gen: Node, forwards: Sequence[Node], prompts: Batch, seed: int,
+                     others: Mapping[str, WorkerGroup]) -> StreamedStage | None:
+        return None  # its ranks are driven one by one (per_rank)
 
     def recover(self) -> None:
         """Rebuild every rank from the last weights they held (after a rank was lost mid-call)."""

@@ -20,22 +20,23 @@ import itertools
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import ray
 import torch
 
-from flowrl.backends.serverless import migrate
+from flowrl.backends.serverless import migrate, stream
 from flowrl.backends.serverless.instance import SLOT, Build, remote_prewarm, remote_serve
 from flowrl.elastic.assign import ranked_runs
 from flowrl.elastic.predict import LengthPredictor
 from flowrl.elastic.prewarm import prewarm_delay
 from flowrl.elastic.scale import DecodeCurve, ScaleChoice, choose_instances
+from flowrl.ir.graph import Node
 from flowrl.runtime import dispatch
 from flowrl.runtime.batch import Batch
-from flowrl.runtime.chunks import concat
-from flowrl.runtime.protocol import Future
+from flowrl.runtime.chunks import ChunkForward, assemble, concat
+from flowrl.runtime.protocol import Future, StreamedStage, WorkerGroup
 
 # Without `placement`, a group's calls count in one elastic pool per stage kind.
 STAGE_KINDS = {"generate": "generation", "logprobs": "inference", "values": "inference", "score": "inference",
@@ -114,11 +115,34 @@ class ServerlessFuture:
                 self.group.mailbox.close.remote(box)
 
 
+def _chunk_forward(node: Node) -> ChunkForward:
+    return ChunkForward(node.id, str(node.op), str(node.model), dict(node.attrs))
+
+
+def _gather(outs: dict[str, list[tuple[Batch, Any]]], spans: dict[str, tuple[float, float]],
+            more: Mapping[str, list[tuple[Batch, Any]]], more_spans: Mapping[str, tuple[float, float]]) -> None:
+    for node, got in more.items():
+        outs.setdefault(node, []).extend(got)
+    for node, (a, b) in more_spans.items():
+        old = spans.get(node)
+        spans[node] = (a, b) if old is None else (min(old[0], a), max(old[1], b))
+
+
+def _in_order(out: Batch, rows: list[int] | None, order: list[int] | None) -> Batch:
+    """A forward's output over a ranked rollout, in the prompts' own order (as the rollout is put back)."""
+    if rows is None or order is None:
+        return out
+    back = out.select(rows)
+    if "group_id" in back.tensors:
+        back.tensors["group_id"] = torch.tensor(order)[back["group_id"].long()]
+    return back
+
+
 class ServerlessGroup:
     inline = False
     per_rank = False
     why_not_per_rank = ("serverless instances are tasks, one call each: a fused stage's rank-by-rank streams need "
-                        "long-lived ranks (the ray backend)")
+                        "long-lived ranks (the pools stream a gen-infer stage themselves: stream_stage)")
 
     def __init__(self, name: str, pool: str | None, build: Build, world: int, run_id: str, *, cpus: float = 1.0,
                  crash_on_call: tuple[str, int, str] | None = None, policy: Policy = Policy(),
@@ -186,26 +210,121 @@ class ServerlessGroup:
         for c in plan.calls:
             lost = marker if c.rank == 0 else None
             how, kw = method, c.kwargs
-            if migrating is not None:  # the last shard (the longest predicted work) is the sink
-                sink = c.rank == len(plan.calls) - 1
-                role = migrate.Role(migration, self.policy.tau, len(plan.calls) - 1 if sink else 0)
-                how, kw = migrate.METHOD, {**c.kwargs, "first_prompt": c.offset, "role": role, "mailbox": self.mailbox}
-            if warm:  # a pre-warmed instance takes the shard from its box
-                w = warm.pop()
-                self.mailbox.put.remote(w.box, [ray.put((wanted, how, c.args, kw, new, lost))])
-                refs.append(w.refs)
-                tokens.append(w.box)
-            else:
-                token = f"{self.key[0]}/{self.name}/task-{next(self.boxes)}"
-                ledger = (self.mailbox, token) if self.mailbox is not None else None
-                refs.append(list(remote_serve.options(num_cpus=self.cpus, resources={SLOT: 1}, num_returns=3).remote(
-                    self.key, self.build, wanted, how, c.args, kw, new, lost, ledger)))
-                tokens.append(token)
+            if migrating is not None:
+                how, kw = migrate.METHOD, {**c.kwargs, "first_prompt": c.offset, "mailbox": self.mailbox,
+                                           "role": self._role(c.rank, len(plan.calls), migration)}
+            got, token = self._submit(warm, wanted, how, c.args, kw, new, lost)
+            refs.append(got)
+            tokens.append(token)
         if method in dispatch.UPDATES:
             trained = [args[0]] if isinstance(args[0], str) else list(args[0])
             for m in trained:  # the new version: the update's third result ({model: state}), kept in the store
                 self.state[m] = (new, [refs[0][2], m])
         return ServerlessFuture(self, plan, refs, order, choice, first, boxes, migrating, tokens)
+
+    def _submit(self, warm: list[Warm], wanted: Mapping[str, Any], how: str, args: tuple[Any, ...],
+                kw: Mapping[str, Any], new: int = 0, lost: str | None = None) -> tuple[list[ray.ObjectRef], str]:
+        """One instance task (a pre-warmed instance from `warm`, if any is left) -> (its 3 results, its token)."""
+        if warm:  # a pre-warmed instance takes the call from its box
+            w = warm.pop()
+            self.mailbox.put.remote(w.box, [ray.put((dict(wanted), how, args, dict(kw), new, lost))])
+            return w.refs, w.box
+        token = f"{self.key[0]}/{self.name}/task-{next(self.boxes)}"
+        ledger = (self.mailbox, token) if self.mailbox is not None else None
+        refs = remote_serve.options(num_cpus=self.cpus, resources={SLOT: 1}, num_returns=3).remote(
+            self.key, self.build, dict(wanted), how, args, dict(kw), new, lost, ledger)
+        return list(refs), token
+
+    # ---- a fused gen-infer stage, streamed by the pools themselves (backends/serverless/stream.py) -------
+    def stream_stage(self, gen: Node, forwards: Sequence[Node], prompts: Batch, seed: int,
+                     others: Mapping[str, WorkerGroup]) -> StreamedStage | None:
+        """Generation on this pool's instances, each running its own group's forwards on its chunks and
+        offering every chunk to one instance of each other serverless group with forwards of the stage."""
+        away: dict[str, list[ChunkForward]] = {}
+        for f in forwards:
+            if f.worker_group != self.name:
+                away.setdefault(f.worker_group, []).append(_chunk_forward(f))
+        consumers = {name: others[name] for name in away}
+        if not all(isinstance(g, ServerlessGroup) for g in consumers.values()):
+            return None
+        started = time.perf_counter()
+        args: tuple[Any, ...] = (str(gen.model), prompts, dict(gen.attrs))
+        world, order, choice = self.world, None, None
+        if world > 1:
+            choice = self._scale(prompts, args[2])
+            world = choice.chosen.instances if choice is not None else world
+            if self.policy.assign:
+                args, order = self._ranked(args, world)
+        plan = dispatch.plan("generate", args, {"step_seed": seed}, "split", world)
+        box = f"{self.key[0]}/{self.name}/stream-{next(self.boxes)}" if away else ""
+        jobs: list[tuple[ServerlessGroup, str, list[ray.ObjectRef], str]] = []
+        for name, fs in away.items():
+            g = consumers[name]
+            assert isinstance(g, ServerlessGroup)
+            _, warm = g._arrived(1, fs[0].op)
+            refs, token = g._submit(warm, {m: g.state[m] for m in g.models}, stream.CONSUME, (fs,),
+                                    {"box": box, "producers": len(plan.calls), "mailbox": self.mailbox})
+            jobs.append((g, fs[0].op, refs, token))
+        first, warm = self._arrived(len(plan.calls), "generate")
+        here = [_chunk_forward(f) for f in forwards if f.worker_group == self.name]
+        made = []
+        migration = f"{self.key[0]}/{self.name}/migrate-{next(self.boxes)}"
+        for c in plan.calls:
+            kw = {**c.kwargs, "first_prompt": c.offset, "box": box, "inline": here, "mailbox": self.mailbox,
+                  "role": self._role(c.rank, len(plan.calls), migration)}
+            made.append(self._submit(warm, {m: self.state[m] for m in self.models}, migrate.METHOD, c.args, kw))
+        got = ray.get([r[0] for r, _ in made] + [r[1] for r, _ in made])
+        parts: list[migrate.Part] = got[:len(made)]
+        stats = got[len(made):]
+        self.mailbox.close.remote(migration)
+        used = [self._usage("generate", st) for st in stats]
+        self.usage.extend(used)
+        self.finished.update(zip([t for _, t in made], used, strict=True))
+        self._learn_start(used, first)
+        outs: dict[str, list[tuple[Batch, Any]]] = {}
+        wall_spans: dict[str, tuple[float, float]] = {}
+        for part in parts:
+            _gather(outs, wall_spans, part.outs, part.spans)
+        for g, op, refs, token in jobs:
+            (theirs, spans, busy), st = ray.get([refs[0], refs[1]])
+            u = g._usage(op, st)
+            u = replace(u, run_s=busy, wait_s=u.wait_s + max(0.0, u.run_s - busy))  # waiting for chunks: idle
+            g.usage.append(u)
+            g.finished[token] = u
+            _gather(outs, wall_spans, theirs, spans)
+        self._migrated(parts)
+        gen_end = max(part.ended for part in parts)
+        chunks = [concat(part.chunks) if part.chunks else Batch(0, {}) for part in parts]
+        self._measure(chunks, used, choice, gen_end - (time.time() - time.perf_counter()) - started)
+        rollout = migrate.merge([[c] for c in chunks if c.size], args[1])
+        rows = self._restore_rows(rollout, order)
+        rollout = self._learn_and_restore(rollout, order)
+        shift = time.time() - time.perf_counter()  # wall clock -> perf_counter
+        return StreamedStage(
+            rollout, {n: _in_order(assemble([o for o, _ in got_], [s for _, s in got_]), rows, order)
+                      for n, got_ in outs.items()},
+            {"fusion/chunks": float(sum(len(p.chunks) for p in parts)), "fusion/workers": float(len(plan.calls)),
+             "fusion/gen_s": gen_end - shift - started},
+            gen_end - shift, {n: (a - shift, b - shift) for n, (a, b) in wall_spans.items()})
+
+    def _role(self, rank: int, shards: int, box: str) -> migrate.Role | None:
+        """A generation instance's part in cut-and-migrate: the last shard (the longest predicted work) is the
+        sink, the others sources; None without migration (one shard, or `migrate_at` = 1)."""
+        if shards < 2 or self.policy.tau >= 1.0:
+            return None
+        return migrate.Role(box, self.policy.tau, shards - 1 if rank == shards - 1 else 0)
+
+    def _migrated(self, parts: Sequence[migrate.Part]) -> None:
+        if len(parts) > 1 and self.policy.tau < 1.0:
+            self.metrics[f"migrate/{self.name}/moved"] = float(sum(p.moved_in for p in parts))
+            self.metrics[f"migrate/{self.name}/sources"] = float(sum(1 for p in parts if p.moved_out))
+
+    def _restore_rows(self, rollout: Batch, order: list[int] | None) -> list[int] | None:
+        """The row order `_learn_and_restore` puts a ranked rollout back in (None: not ranked)."""
+        if order is None or "group_id" not in rollout.tensors:
+            return None
+        original = torch.tensor(order)[rollout["group_id"].long()]
+        return sorted(range(rollout.size), key=lambda i: (int(original[i]), i))
 
     def finish(self, plan: dispatch.Plan, refs: list[list[ray.ObjectRef]], order: list[int] | None,
                choice: ScaleChoice | None = None, sent: float = 0.0, first: bool = False,
@@ -217,11 +336,9 @@ class ServerlessGroup:
         self.finished.update(zip(tokens, used, strict=False))
         self._learn_start(used, first)
         model = plan.calls[0].args[0] if plan.calls[0].args else None
-        if migrating is not None:  # each instance: (its finished rows, what moved)
-            moved = [info for _, info in results]
-            results = [concat(part) if part else Batch(0, {}) for part, _ in results]
-            self.metrics[f"migrate/{self.name}/moved"] = float(sum(m["moved_in"] for m in moved))
-            self.metrics[f"migrate/{self.name}/sources"] = float(sum(1 for m in moved if m["moved_out"]))
+        if migrating is not None:  # each instance's Part: its finished rows, what moved
+            self._migrated(results)
+            results = [concat(part.chunks) if part.chunks else Batch(0, {}) for part in results]
         if plan.method == "generate":
             self._measure(results, used, choice, time.perf_counter() - sent)
         if migrating is not None:

@@ -23,13 +23,13 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import ray
 
-from flowrl.backends.serverless import migrate
+from flowrl.backends.serverless import migrate, stream
 from flowrl.ir.graph import ModelDecl
 from flowrl.runtime.dispatch import UPDATES
 from flowrl.runtime.worker import ModelWorker
@@ -55,6 +55,8 @@ class _Entry:
 
 
 _CACHE: dict[tuple[str, str], _Entry] = {}
+# what an instance runs for the methods that are not ModelWorker's own (they talk to the Mailbox actor)
+TASKS: dict[str, Callable[..., Any]] = {migrate.METHOD: migrate.generate, stream.CONSUME: stream.consume}
 
 
 def _ready(key: tuple[str, str], build: Build,
@@ -97,8 +99,9 @@ def _run(key: tuple[str, str], build: Build, entry: _Entry, method: str, args: t
             ray.get(ledger[0].ping.remote())
         os._exit(1)
     began = time.perf_counter()
-    if method == migrate.METHOD:
-        result: Any = migrate.generate(entry.worker, *args, **kwargs)
+    task = TASKS.get(method)
+    if task is not None:
+        result: Any = task(entry.worker, *args, **kwargs)
     else:
         result = getattr(entry.worker, method)(*args, **kwargs)
     took = time.perf_counter() - began

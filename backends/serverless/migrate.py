@@ -9,14 +9,16 @@ state (KV cache, pending tokens, sampling generators: the engine's `Tail`), hand
 box between decode steps: when tails came, it exports its own rows too and resumes them all as one batch
 (`resume_stream`), so every row keeps its own sampling draws and the samples are those of a run without
 migration. Having finished its own rows, the sink waits for every source's word (a tail or "finished"), so no
-tail is ever left without an instance. Each instance returns its finished rows with their sample numbers;
-`assemble` puts the rollout back in sample order.
+tail is ever left without an instance. Each instance returns its finished rows with their sample numbers
+(`Part`); `assemble` puts the rollout back in sample order. In a fused stage the same instances also stream
+(backends/serverless/stream.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import ray
@@ -25,7 +27,7 @@ from flowrl.elastic.migrate import should_migrate
 from flowrl.engines.chunked_generation import Tail
 from flowrl.ir.attrs import GenerateAttrs
 from flowrl.runtime.batch import Batch
-from flowrl.runtime.chunks import assemble
+from flowrl.runtime.chunks import ChunkForward, Scored, assemble, score_chunks
 from flowrl.runtime.worker import ModelWorker
 
 METHOD = "generate_migrating"  # the instance-side method name the group sends for a migrating generation
@@ -40,39 +42,89 @@ class Role:
     sources: int = 0
 
 
+@dataclass
+class Part:
+    """What one generation instance returns: its finished rows as chunk batches (with their `sample` numbers),
+    its own forwards' outputs on them (a fused stage's own-group forwards: node -> [(output, samples)]) and when
+    they ran (wall clock), when its generation ended, and the rows that moved out of it and into it."""
+
+    chunks: list[Batch] = field(default_factory=list)
+    outs: dict[str, list[tuple[Batch, Any]]] = field(default_factory=dict)
+    spans: dict[str, tuple[float, float]] = field(default_factory=dict)
+    ended: float = 0.0
+    moved_out: int = 0
+    moved_in: int = 0
+
+
 def generate(worker: ModelWorker, model: str, prompts: Batch, attrs: Mapping[str, Any], *, step_seed: int,
-             first_prompt: int, role: Role, mailbox: Any) -> tuple[list[Batch], dict[str, int]]:
-    """This instance's part -> (the finished rows it decoded, as chunk batches with their `sample` numbers;
-    {"moved_out": rows handed to the sink, "moved_in": rows taken from sources})."""
-    if role.sources:
-        return _sink(worker, mailbox, model, prompts, attrs, step_seed, first_prompt, role)
-    total = prompts.size * GenerateAttrs.of(attrs).n
-    control = _Trigger(total, role.tau)
-    done, tails = _drain(worker.generate_stream(model, prompts, attrs, step_seed=step_seed,
-                                                first_prompt=first_prompt, control=control))
-    tail = tails[0] if tails else None
-    mailbox.offer.remote(role.box, None if tail is None else [ray.put(tail)])
-    return done, {"moved_out": 0 if tail is None else int(tail.samples.shape[0]), "moved_in": 0}
+             first_prompt: int, mailbox: Any, role: Role | None = None, box: str = "",
+             inline: Sequence[ChunkForward] = ()) -> Part:
+    """This instance's part of a generation: a source (cuts at `role.tau`), the sink (`role.sources` > 0), or
+    neither (`role` None). In a fused stage (backends/serverless/stream.py) it also runs `inline` forwards on its
+    chunks and offers every chunk to `box`, then None once it has finished."""
+    part = _Collect(worker, mailbox, box, inline)
+    if role is not None and role.sources:
+        _sink(worker, model, prompts, attrs, step_seed, first_prompt, role, part)
+    elif role is not None:
+        total = prompts.size * GenerateAttrs.of(attrs).n
+        tails = part.drain(worker.generate_stream(model, prompts, attrs, step_seed=step_seed,
+                                                  first_prompt=first_prompt, control=_Trigger(total, role.tau),
+                                                  inline=inline))
+        tail = tails[0] if tails else None
+        mailbox.offer.remote(role.box, None if tail is None else [ray.put(tail)])
+        part.out.moved_out = 0 if tail is None else int(tail.samples.shape[0])
+    else:
+        part.drain(worker.generate_stream(model, prompts, attrs, step_seed=step_seed, first_prompt=first_prompt,
+                                          inline=inline))
+    if box:
+        mailbox.offer.remote(box, None)  # this instance has finished
+    part.out.ended = time.time()
+    return part.out
 
 
-def _sink(worker: ModelWorker, mailbox: Any, model: str, prompts: Batch, attrs: Mapping[str, Any], seed: int,
-          first_prompt: int, role: Role) -> tuple[list[Batch], dict[str, int]]:
-    inbox = _Inbox(mailbox, role.box, role.sources)
-    stream = worker.generate_stream(model, prompts, attrs, step_seed=seed, first_prompt=first_prompt, control=inbox)
-    finished: list[Batch] = []
-    moved_in = 0
+def _sink(worker: ModelWorker, model: str, prompts: Batch, attrs: Mapping[str, Any], seed: int,
+          first_prompt: int, role: Role, part: _Collect) -> None:
+    inbox = _Inbox(part.mailbox, role.box, role.sources)
+    stream: Iterable[Any] = worker.generate_stream(model, prompts, attrs, step_seed=seed, first_prompt=first_prompt,
+                                                   control=inbox, inline=part.inline)
     while True:
-        done, own = _drain(stream)
-        finished.extend(done)
+        own = part.drain(stream)
         if not own and inbox.heard_all:
-            return finished, {"moved_out": 0, "moved_in": moved_in}
+            return
         came = inbox.receive()  # own rows exported: tails are there; own rows done: wait for the sources' word
-        moved_in += sum(int(t.samples.shape[0]) for t in came)
+        part.out.moved_in += sum(int(t.samples.shape[0]) for t in came)
         tails = own + came
-        if tails:
-            stream = worker.resume_stream(model, tails, attrs, control=inbox)
-        else:
-            stream = iter(())
+        stream = score_chunks(worker, worker.resume_stream(model, tails, attrs, control=inbox), part.inline) \
+            if tails else iter(())
+
+
+class _Collect:
+    """An instance's finished chunks (offered to the fused stage's box as they come) and inline outputs."""
+
+    def __init__(self, worker: ModelWorker, mailbox: Any, box: str, inline: Sequence[ChunkForward]):
+        self.worker, self.mailbox, self.box, self.inline = worker, mailbox, box, list(inline)
+        self.out = Part()
+
+    def drain(self, stream: Iterable[Any]) -> list[Tail]:
+        """Collect a stream's chunks -> the tails it exported."""
+        tails: list[Tail] = []
+        for item in stream:
+            if isinstance(item, Tail):
+                tails.append(item)
+                continue
+            if isinstance(item, Scored):
+                batch, now = item.batch, time.time()
+                for node, (result, took) in item.outs.items():
+                    self.out.outs.setdefault(node, []).append((result, batch["sample"]))
+                    self.out.spans[node] = (self.out.spans.get(node, (now - took, 0.0))[0], now)
+            elif isinstance(item, Batch):
+                batch = item
+            else:
+                continue
+            self.out.chunks.append(batch)
+            if self.box:
+                self.mailbox.offer.remote(self.box, [ray.put(batch)])
+        return tails
 
 
 class _Trigger:
@@ -118,17 +170,6 @@ class _Inbox:
         if not self.heard_all:
             self.pending = self.mailbox.take_all.remote(self.box, self.heard)
         return [ray.get(w[0]) for w in words if w is not None]
-
-
-def _drain(stream: Iterable[Any]) -> tuple[list[Batch], list[Tail]]:
-    done: list[Batch] = []
-    tails: list[Tail] = []
-    for item in stream:
-        if isinstance(item, Tail):
-            tails.append(item)
-        elif isinstance(item, Batch):
-            done.append(item)
-    return done, tails
 
 
 def merge(parts: Iterable[list[Batch]], prompts: Batch) -> Batch:

@@ -20,7 +20,7 @@ import torch
 from flowrl.ir.graph import Graph, Node
 from flowrl.runtime.batch import Batch, training_batch
 from flowrl.runtime.gen_infer import GenInfer
-from flowrl.runtime.protocol import WorkerGroup
+from flowrl.runtime.protocol import StreamedStage, WorkerGroup
 from flowrl.runtime.scoring import Pending, Scorer
 
 
@@ -92,9 +92,15 @@ def _gen_infer(ctl: StageHost, gen: Node, members: list[Node], values: dict[str,
     scorers = {n.id: ctl.rewards[str(n.attrs["fn"])] for n in rewards}
     ranks = ctl.groups[gen.worker_group]
     if not ranks.per_rank:
-        ctl.decline(gen, f"worker group {ranks.name} cannot be called rank by rank: {ranks.why_not_per_rank}")
-        metrics["fusion/fallback"] = 1.0
-        return None
+        start = time.perf_counter()
+        others = {n.worker_group: ctl.groups[n.worker_group] for n in forwards}
+        streamed = ranks.stream_stage(gen, forwards, values[str(gen.input("prompts"))], ctl.step_seed(step, gen),
+                                      others)
+        if streamed is None:
+            ctl.decline(gen, f"worker group {ranks.name} cannot be called rank by rank: {ranks.why_not_per_rank}")
+            metrics["fusion/fallback"] = 1.0
+            return None
+        return _streamed(ctl, gen, forwards, rewards, streamed, start, values, step, metrics)
     if all(ctl.groups[n.worker_group].inline for n in [gen, *forwards]) and \
             not any(s.overlaps for s in scorers.values()):
         ctl.decline(gen, "every group of the stage runs inline in the controller's process: chunk forwards would "
@@ -116,6 +122,23 @@ def _gen_infer(ctl: StageHost, gen: Node, members: list[Node], values: dict[str,
     for n in rewards:
         out, began = scoring.collect(n.id, rollout)
         ran.append(StageRun(n, out, began if began is not None else start, time.perf_counter()))
+    return ran
+
+
+def _streamed(ctl: StageHost, gen: Node, forwards: list[Node], rewards: list[Node], streamed: StreamedStage,
+              start: float, values: dict[str, Batch], step: int, metrics: dict[str, float]) -> list[StageRun]:
+    """The stage a group streamed by itself (`WorkerGroup.stream_stage`); its rewards scored after it."""
+    metrics.update(streamed.metrics)
+    values[gen.id] = streamed.rollout
+    ran = [StageRun(gen, streamed.rollout, start, streamed.gen_end)]
+    for n in forwards:
+        first, last = streamed.spans.get(n.id, (start, streamed.gen_end))
+        values[n.id] = streamed.outs[n.id]
+        ran.append(StageRun(n, streamed.outs[n.id], first, last))
+    for n in rewards:
+        began = time.perf_counter()
+        out = ctl.run_node(n, values, step, metrics)
+        ran.append(StageRun(n, out, began, time.perf_counter()))
     return ran
 
 

@@ -10,9 +10,13 @@ threads, processes, Ray actors) and runs a call as `flowrl.runtime.dispatch` pla
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, Protocol
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
 
-from flowrl.ir.graph import Graph
+from flowrl.ir.graph import Graph, Node
+
+if TYPE_CHECKING:
+    from flowrl.runtime.batch import Batch
 
 
 class Future(Protocol):
@@ -26,6 +30,19 @@ class RankLostError(RuntimeError):
     def __init__(self, group: str, message: str):
         super().__init__(message)
         self.group = group
+
+
+@dataclass
+class StreamedStage:
+    """A fused gen-infer stage a group ran by itself (`WorkerGroup.stream_stage`): the rollout and each forward's
+    output in sample order, the stage's metrics, and perf_counter times: when generation ended, and each
+    forward's first and last chunk."""
+
+    rollout: Batch
+    outs: dict[str, Batch]
+    metrics: dict[str, float]
+    gen_end: float
+    spans: dict[str, tuple[float, float]] = field(default_factory=dict)
 
 
 class WorkerGroup(Protocol):
@@ -42,6 +59,9 @@ class WorkerGroup(Protocol):
     - `colocated(models)`: those models live in one process per rank, so one call can train them together
       (fuse-train's interleaved schedule).
     - `recover()`: bring back dead ranks with the last weights they held (after a `RankLostError`).
+    - `stream_stage(...)`: a group that cannot be driven rank by rank but streams a fused gen-infer stage on its
+      own (the serverless pools: generation instances hand chunks to inference instances) runs it and returns
+      a `StreamedStage`; None from every other group (the stage runs through `on_rank`, or unfused).
     """
 
     name: str
@@ -58,6 +78,9 @@ class WorkerGroup(Protocol):
     def colocated(self, models: Sequence[str]) -> bool: ...
 
     def recover(self) -> None: ...
+
+    def stream_stage(self, gen: Node, forwards: Sequence[Node], prompts: Batch, seed: int,
+                     others: Mapping[str, WorkerGroup]) -> StreamedStage | None: ...
 
     def state_dict(self) -> dict[str, Any]: ...
 

@@ -23,7 +23,7 @@ from flowrl.runtime.batch import Batch
 pytestmark = [pytest.mark.ray, pytest.mark.usefixtures("ray_session")]
 
 def numbers(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [{k: v for k, v in r.items() if not k.startswith(("time/", "cost/", "async/", "scale/", "migrate/"))
+    return [{k: v for k, v in r.items() if not k.startswith(("time/", "cost/", "async/", "scale/", "migrate/", "fusion/"))
              and k not in ("step_time_s", "tokens_per_s")} for r in rows]
 
 
@@ -201,9 +201,10 @@ def _track(run: Path, name: str) -> int:
                 if e.get("ph") == "M" and e["name"] == "thread_name" and e["args"]["name"] == name)
 
 
-def _long_grpo(split_grpo: Callable[..., Graph], tmp_path: Path, run: str = "") -> Graph:
-    """The split GRPO flow with responses up to 24 tokens (an untrained model ends them at random lengths)."""
-    split_grpo(gen="3", run=run)
+def _long_grpo(split_grpo: Callable[..., Graph], tmp_path: Path, run: str = "", gen: str = "3") -> Graph:
+    """The split GRPO flow with responses up to 24 tokens (an untrained model ends them at random lengths; the
+    reference's forward is fused into generation: fuse-gen-inference)."""
+    split_grpo(gen=gen, run=run)
     text = tmp_path / "f.flow"
     text.write_text(text.read_text().replace("max_tokens = 3", "max_tokens = 24"))
     return flowrl.load(str(text))
@@ -225,21 +226,21 @@ def test_a_source_hands_over_exactly_its_unfinished_sequences_and_the_sink_ends_
     prompts = Batch(4, {}, {"prompt": ["1+2=", "3+3=", "0+1=", "2+2="], "prompt_id": [0, 1, 2, 3]})
     source, sink = prompts.select([0, 1]), prompts.select([2, 3])
     mailbox = remote_mailbox.remote()
-    done, info = migrate.generate(worker, "actor", source, attrs, step_seed=11, first_prompt=0,
-                                  role=migrate.Role("m", 0.5), mailbox=mailbox)
-    finished = sorted(int(s) for b in done for s in b["sample"])
-    assert info["moved_out"] > 0 and len(finished) >= 0.5 * 8  # it cut at tau, with sequences left
+    cut = migrate.generate(worker, "actor", source, attrs, step_seed=11, first_prompt=0,
+                           role=migrate.Role("m", 0.5), mailbox=mailbox)
+    finished = sorted(int(s) for b in cut.chunks for s in b["sample"])
+    assert cut.moved_out > 0 and len(finished) >= 0.5 * 8  # it cut at tau, with sequences left
     (word,) = ray.get(mailbox.take_all.remote("m"))
     tail = ray.get(word[0])
     moved = sorted(int(s) for s in tail.samples)
-    assert len(moved) == info["moved_out"] == 8 - len(finished)
+    assert len(moved) == cut.moved_out == 8 - len(finished)
     assert sorted(finished + moved) == list(range(8))  # exactly the unfinished ones, nothing lost or doubled
 
     mailbox.offer.remote("n", [ray.put(tail)])
-    own, got = migrate.generate(worker, "actor", sink, attrs, step_seed=12, first_prompt=2,
-                                role=migrate.Role("n", 0.5, sources=1), mailbox=mailbox)
-    assert got == {"moved_out": 0, "moved_in": len(moved)}
-    whole = migrate.merge([done, own], prompts)
+    own = migrate.generate(worker, "actor", sink, attrs, step_seed=12, first_prompt=2,
+                           role=migrate.Role("n", 0.5, sources=1), mailbox=mailbox)
+    assert (own.moved_out, own.moved_in) == (0, len(moved))
+    whole = migrate.merge([cut.chunks, own.chunks], prompts)
     alone = [worker.generate("actor", source, attrs, step_seed=11), worker.generate("actor", sink, attrs,
                                                                                      step_seed=12)]
     expect = assemble([alone[0], alone[1]], [torch.arange(8), torch.arange(8, 16)])
@@ -264,3 +265,28 @@ def test_migration_gives_the_samples_of_a_run_without_it(tmp_path: Path, split_g
     assert sum(r["migrate/gen/moved"] for r in moved.metrics) > 0
     assert all("migrate/gen/moved" not in r for r in kept.metrics)
     _same(numbers(moved.metrics), numbers(kept.metrics))
+
+
+@pytest.mark.parametrize("gen", ["1", "2"])
+def test_a_fused_gen_infer_stage_is_streamed_by_the_pools(tmp_path: Path, split_grpo: Callable[..., Graph],
+                                                          gen: str) -> None:
+    """The reference's forward (pool train) is fused into generation (pool gen): the generation instances offer
+    their chunks, one train instance runs the forward on each as it comes; the stage runs fused (run.json says
+    nothing was unfused) and the numbers are the process backend's, which runs it through the rank-by-rank
+    scheduler. With two generation instances (scaling off) both offer chunks to the one forward instance."""
+    from flowrl.backends.serverless import ServerlessBackend
+
+    graph = _long_grpo(split_grpo, tmp_path, ", migrate_at = 1.0", gen=gen)
+    served = flowrl.run(graph, out_dir=tmp_path / "serverless", backend=ServerlessBackend(ablate={"scale"}))
+    assert "unfused" not in json.loads((tmp_path / "serverless" / "run.json").read_text())
+    assert all(r["fusion/chunks"] >= 1 and r["fusion/workers"] == float(gen) for r in served.metrics)
+    for row in served.metrics:  # the forward's instance waited for chunks: idle, not busy
+        parts = row["cost/busy_s"] + row["cost/starting_s"] + row["cost/loading_s"] + row["cost/idle_s"]
+        assert row["cost/held_s"] == pytest.approx(parts)
+    if gen == "1":
+        fixed = flowrl.run(graph, out_dir=tmp_path / "process", backend="process")
+        _same(numbers(served.metrics), numbers(fixed.metrics))
+    else:  # the same two shards unfused: the same samples
+        unfused = flowrl.load(str(tmp_path / "f.flow"), no_pass=("fuse-gen-inference",))
+        whole = flowrl.run(unfused, out_dir=tmp_path / "unfused", backend=ServerlessBackend(ablate={"scale"}))
+        _same(numbers(served.metrics), numbers(whole.metrics))
