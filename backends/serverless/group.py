@@ -257,14 +257,6 @@ class ServerlessGroup:
                 args, order = self._ranked(args, world)
         plan = dispatch.plan("generate", args, {"step_seed": seed}, "split", world)
         box = f"{self.key[0]}/{self.name}/stream-{next(self.boxes)}" if away else ""
-        jobs: list[tuple[ServerlessGroup, str, list[ray.ObjectRef], str]] = []
-        for name, fs in away.items():
-            g = consumers[name]
-            assert isinstance(g, ServerlessGroup)
-            _, warm = g._arrived(1, fs[0].op)
-            refs, token = g._submit(warm, {m: g.state[m] for m in g.models}, stream.CONSUME, (fs,),
-                                    {"box": box, "producers": len(plan.calls), "mailbox": self.mailbox})
-            jobs.append((g, fs[0].op, refs, token))
         first, warm = self._arrived(len(plan.calls), "generate")
         here = [_chunk_forward(f) for f in forwards if f.worker_group == self.name]
         made = []
@@ -273,6 +265,16 @@ class ServerlessGroup:
             kw = {**c.kwargs, "first_prompt": c.offset, "box": box, "inline": here, "mailbox": self.mailbox,
                   "role": self._role(c.rank, len(plan.calls), migration)}
             made.append(self._submit(warm, {m: self.state[m] for m in self.models}, migrate.METHOD, c.args, kw))
+        if away:  # the forward instances start with the first chunk (or once a generation instance returned)
+            ray.wait([self.mailbox.take_all.remote(box, 0), *[r[1] for r, _ in made]], num_returns=1)
+        jobs: list[tuple[ServerlessGroup, str, list[ray.ObjectRef], str]] = []
+        for name, fs in away.items():
+            g = consumers[name]
+            assert isinstance(g, ServerlessGroup)
+            _, waiting = g._arrived(1, fs[0].op)
+            refs, token = g._submit(waiting, {m: g.state[m] for m in g.models}, stream.CONSUME, (fs,),
+                                    {"box": box, "producers": len(plan.calls), "mailbox": self.mailbox})
+            jobs.append((g, fs[0].op, refs, token))
         got = ray.get([r[0] for r, _ in made] + [r[1] for r, _ in made])
         parts: list[migrate.Part] = got[:len(made)]
         stats = got[len(made):]

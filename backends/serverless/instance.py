@@ -81,22 +81,21 @@ def _ready(key: tuple[str, str], build: Build,
     return entry, cold, built - began, time.perf_counter() - built
 
 
-def _attempt(ledger: tuple[Any, str] | None, wall: float) -> None:
+def _attempt(ledger: tuple[Any, str] | None, wall: float) -> Any:
     """Tell the ledger (the Mailbox actor, the task's token) that an attempt of the task began here, so the
-    driver can count the device time of an attempt whose process was lost (it returns no stats)."""
-    if ledger is not None:
-        ledger[0].began.remote(ledger[1], os.getpid(), wall)
+    driver can count the device time of an attempt whose process was lost (it returns no stats) -> the call's
+    reference (None without a ledger)."""
+    return ledger[0].began.remote(ledger[1], os.getpid(), wall) if ledger is not None else None
 
 
 def _run(key: tuple[str, str], build: Build, entry: _Entry, method: str, args: tuple[Any, ...],
-         kwargs: dict[str, Any], new_version: int, crash: str | None,
-         ledger: tuple[Any, str] | None = None) -> tuple[Any, Any, float]:
+         kwargs: dict[str, Any], new_version: int, crash: str | None, noted: Any = None) -> tuple[Any, Any, float]:
     """`ModelWorker.<method>` -> (result, new state of an update or None, seconds)."""
     if crash is not None and not os.path.exists(crash):
         with open(crash, "w") as marker:
             marker.write(str(os.getpid()))
-        if ledger is not None:  # the attempt's record is sent before the process goes (actor calls keep order)
-            ray.get(ledger[0].ping.remote())
+        if noted is not None:  # the attempt's record is in the ledger before the process goes
+            ray.get(noted)
         os._exit(1)
     began = time.perf_counter()
     task = TASKS.get(method)
@@ -126,9 +125,9 @@ def serve(key: tuple[str, str], build: Build, wanted: Mapping[str, tuple[int, Se
     process before running the method, as a machine lost mid-call would (Ray re-runs the task elsewhere).
     `ledger`: (Mailbox, this task's token), told when each attempt begins."""
     wall = time.time()
-    _attempt(ledger, wall)
+    noted = _attempt(ledger, wall)
     entry, cold, start_s, load_s = _ready(key, build, wanted)
-    result, state, run_s = _run(key, build, entry, method, args, kwargs, new_version, crash, ledger)
+    result, state, run_s = _run(key, build, entry, method, args, kwargs, new_version, crash, noted)
     stats = {"pid": os.getpid(), "cold": cold, "start_s": start_s, "load_s": load_s, "run_s": run_s,
              "began": wall, "wait_s": 0.0, "prewarmed": False, "ready_first": False, "served": True}
     return result, stats, state
@@ -141,7 +140,7 @@ def prewarm(key: tuple[str, str], build: Build, wanted: Mapping[str, tuple[int, 
     (None, stats, None when not needed). Taking from the box does not empty it, so a retried attempt of a lost
     instance finds the same call."""
     wall = time.time()
-    _attempt((mailbox, box), wall)
+    noted = _attempt((mailbox, box), wall)
     entry, cold, start_s, load_s = _ready(key, build, wanted)
     waiting = time.perf_counter()
     sent, early = ray.get(mailbox.take.remote(box))
@@ -154,7 +153,7 @@ def prewarm(key: tuple[str, str], build: Build, wanted: Mapping[str, tuple[int, 
         return None, stats, None
     wanted_now, method, args, kwargs, new_version, crash = ray.get(sent[0])
     entry, _, _, newer_s = _ready(key, build, wanted_now)  # a version newer than the one loaded ahead
-    result, state, run_s = _run(key, build, entry, method, args, kwargs, new_version, crash, (mailbox, box))
+    result, state, run_s = _run(key, build, entry, method, args, kwargs, new_version, crash, noted)
     stats.update(load_s=load_s + newer_s, run_s=run_s)
     return result, stats, state
 
@@ -205,9 +204,6 @@ class Mailbox:
     # the ledger of attempts: each instance task's attempts tell when they began (a lost one returns nothing)
     async def began(self, token: str, pid: int, wall: float) -> None:
         self.attempts.setdefault(token, []).append((pid, wall))
-
-    async def ping(self) -> None:
-        pass
 
     async def take_attempts(self, tokens: list[str]) -> dict[str, list[tuple[int, float]]]:
         """The attempts recorded for `tokens` (forgotten here)."""

@@ -76,8 +76,8 @@ def generate(worker: ModelWorker, model: str, prompts: Batch, attrs: Mapping[str
     else:
         part.drain(worker.generate_stream(model, prompts, attrs, step_seed=step_seed, first_prompt=first_prompt,
                                           inline=inline))
-    if box:
-        mailbox.offer.remote(box, None)  # this instance has finished
+    if box:  # this instance has finished, after this many chunks (an async actor may take words out of order)
+        mailbox.offer.remote(box, ("end", len(part.out.chunks)))
     part.out.ended = time.time()
     return part.out
 

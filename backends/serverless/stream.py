@@ -30,19 +30,22 @@ Outputs = dict[str, list[tuple[Batch, Any]]]  # forward node -> [(its output on 
 
 def consume(worker: ModelWorker, forwards: Sequence[ChunkForward], *, box: str, producers: int,
             mailbox: Any) -> tuple[Outputs, dict[str, tuple[float, float]], float]:
-    """An instance of another group: its forwards on every chunk in `box` until all `producers` have finished
-    -> (outputs, their (first, last) wall times, seconds it computed: the rest it waited for chunks)."""
+    """An instance of another group: its forwards on every chunk in `box` until all `producers` have said they
+    finished and every chunk they counted came (the Mailbox is an async actor: words from one instance may be
+    taken out of order) -> (outputs, their (first, last) wall times, seconds it computed: the rest it waited)."""
     outs: Outputs = {}
     spans: dict[str, tuple[float, float]] = {}
-    heard = since = 0
+    heard = since = taken = expected = 0
     busy = 0.0
-    while heard < producers:
+    while heard < producers or taken < expected:
         words = ray.get(mailbox.take_all.remote(box, since))
         since += len(words)
         for word in words:
-            if word is None:
+            if isinstance(word, tuple):  # ("end", the chunks that instance offered)
                 heard += 1
+                expected += int(word[1])
                 continue
+            taken += 1
             chunk: Batch = ray.get(word[0])
             for f in forwards:
                 began = time.time()

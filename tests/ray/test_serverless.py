@@ -290,3 +290,28 @@ def test_a_fused_gen_infer_stage_is_streamed_by_the_pools(tmp_path: Path, split_
         unfused = flowrl.load(str(tmp_path / "f.flow"), no_pass=("fuse-gen-inference",))
         whole = flowrl.run(unfused, out_dir=tmp_path / "unfused", backend=ServerlessBackend(ablate={"scale"}))
         _same(numbers(served.metrics), numbers(whole.metrics))
+
+
+def test_a_forward_instance_takes_every_chunk_even_when_the_end_comes_first(tmp_path: Path,
+                                                                            split_grpo: Callable[..., Graph]) -> None:
+    """The Mailbox is an async actor: a generation instance's words may be taken out of order. Its last word
+    counts its chunks, so a forward instance that reads the end before the chunks still runs on all of them."""
+    from flowrl.backends.serverless import stream
+    from flowrl.backends.serverless.instance import remote_mailbox
+    from flowrl.runtime.chunks import ChunkForward
+    from flowrl.runtime.worker import ModelWorker
+
+    graph = _long_grpo(split_grpo, tmp_path)
+    attrs = dict(next(n for n in graph.nodes if n.op == "generate").attrs)
+    worker = ModelWorker((graph.model("actor"),), graph.models, seed=5, device="cpu")
+    prompts = Batch(2, {}, {"prompt": ["1+2=", "3+3="], "prompt_id": [0, 1]})
+    chunks = [b for b in worker.generate_stream("actor", prompts, attrs, step_seed=3) if isinstance(b, Batch)]
+    assert len(chunks) >= 2
+    mailbox = remote_mailbox.remote()
+    ray.get(mailbox.offer.remote("s", ("end", len(chunks))))  # the end first, then the chunks
+    for chunk in chunks:
+        ray.get(mailbox.offer.remote("s", [ray.put(chunk)]))
+    fwd = ChunkForward("old", "logprobs", "actor", {})
+    outs, spans, busy = stream.consume(worker, [fwd], box="s", producers=1, mailbox=mailbox)
+    got = sorted(int(s) for _, samples in outs["old"] for s in samples)
+    assert got == sorted(int(s) for c in chunks for s in c["sample"]) and busy > 0 and "old" in spans
