@@ -503,11 +503,7 @@ class ServerlessGroup:
     def _learn_and_restore(self, rollout: Batch, order: list[int] | None) -> Batch:
         """The rollout in the prompts' own order (each sample's group id names its prompt there again), and the
         predictor taught this step's lengths."""
-        if order is not None and "group_id" in rollout.tensors:
-            original = torch.tensor(order)[rollout["group_id"].long()]
-            rows = sorted(range(rollout.size), key=lambda i: (int(original[i]), i))
-            rollout = rollout.select(rows)
-            rollout.tensors["group_id"] = original[torch.tensor(rows)]
+        rollout = _in_order(rollout, self._restore_rows(rollout, order), order)
         ids = rollout.meta.get("prompt_id")
         if ids is not None:
             lengths = rollout["response_mask"].sum(1).tolist()

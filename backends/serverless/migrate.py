@@ -30,7 +30,7 @@ from flowrl.runtime.batch import Batch
 from flowrl.runtime.chunks import ChunkForward, Scored, assemble, score_chunks
 from flowrl.runtime.worker import ModelWorker
 
-METHOD = "generate_migrating"  # the instance-side method name the group sends for a migrating generation
+METHOD = "generate_migrating"  # the instance-side method name of a migrating or streamed generation
 
 
 @dataclass(frozen=True)
@@ -61,7 +61,7 @@ def generate(worker: ModelWorker, model: str, prompts: Batch, attrs: Mapping[str
              inline: Sequence[ChunkForward] = ()) -> Part:
     """This instance's part of a generation: a source (cuts at `role.tau`), the sink (`role.sources` > 0), or
     neither (`role` None). In a fused stage (backends/serverless/stream.py) it also runs `inline` forwards on its
-    chunks and offers every chunk to `box`, then None once it has finished."""
+    chunks and offers every chunk to `box`, then ("end", its chunk count) once it has finished."""
     part = _Collect(worker, mailbox, box, inline)
     if role is not None and role.sources:
         _sink(worker, model, prompts, attrs, step_seed, first_prompt, role, part)

@@ -4,10 +4,11 @@ Serverless instances are tasks, so the fused-stage scheduler cannot drive them r
 the stage themselves. Each generation instance (backends/serverless/migrate.py's `generate`, cutting and
 migrating as without fusion) runs `ModelWorker.generate_stream` — `generate`'s samples, same seeds — runs the
 forwards placed on its own group on each chunk between decode steps (the scheduler's "own-rank" schedule), and
-offers every chunk to the stage's box in the Mailbox actor. One instance
-of each other group holding forwards of the stage (`consume`) takes the chunks as they come and runs its
+offers every chunk to the stage's box in the Mailbox actor. One instance of each other group holding forwards
+of the stage (`consume`), started when the first chunk is there, takes the chunks as they come and runs its
 forwards on them, so they overlap the rest of generation; it ends once every generation instance said it has
-finished. Every output is put back in sample order (`assemble`), as the unfused stage computes it.
+finished and every chunk it counted came. Every output is put back in sample order (`assemble`), as the
+unfused stage computes it.
 """
 
 from __future__ import annotations
