@@ -314,7 +314,7 @@ class ServerlessGroup:
         sink, the others sources; None without migration (one shard, or `migrate_at` = 1)."""
         if shards < 2 or self.policy.tau >= 1.0:
             return None
-        return migrate.Role(box, self.policy.tau, shards - 1 if rank == shards - 1 else 0)
+        return migrate.Role(box, self.policy.tau, shards - 1 if rank == shards - 1 else 0, rank)
 
     def _migrated(self, parts: Sequence[migrate.Part]) -> None:
         if len(parts) > 1 and self.policy.tau < 1.0:

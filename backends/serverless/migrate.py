@@ -35,11 +35,13 @@ METHOD = "generate_migrating"  # the instance-side method name of a migrating or
 
 @dataclass(frozen=True)
 class Role:
-    """An instance's part in a migrating generation: `sources` > 0 for the sink (how many words to wait for)."""
+    """An instance's part in a migrating generation: `sources` > 0 for the sink (how many words to wait for);
+    `rank`: which source (its word names it, so a retried source's second word is not taken twice)."""
 
     box: str
     tau: float
     sources: int = 0
+    rank: int = 0
 
 
 @dataclass
@@ -71,7 +73,7 @@ def generate(worker: ModelWorker, model: str, prompts: Batch, attrs: Mapping[str
                                                   first_prompt=first_prompt, control=_Trigger(total, role.tau),
                                                   inline=inline))
         tail = tails[0] if tails else None
-        mailbox.offer.remote(role.box, None if tail is None else [ray.put(tail)])
+        mailbox.offer.remote(role.box, (role.rank, None if tail is None else [ray.put(tail)]))
         part.out.moved_out = 0 if tail is None else int(tail.samples.shape[0])
     else:
         part.drain(worker.generate_stream(model, prompts, attrs, step_seed=step_seed, first_prompt=first_prompt,
@@ -145,12 +147,13 @@ class _Inbox:
 
     def __init__(self, mailbox: Any, box: str, sources: int):
         self.mailbox, self.box, self.sources = mailbox, box, sources
-        self.heard = 0
+        self.heard: set[int] = set()  # the sources whose word came (a retried source may send it twice)
+        self.since = 0  # words read from the box
         self.pending: Any = mailbox.take_all.remote(box)
 
     @property
     def heard_all(self) -> bool:
-        return self.heard >= self.sources
+        return len(self.heard) >= self.sources
 
     def progress(self, remaining: int) -> None:
         pass
@@ -166,10 +169,16 @@ class _Inbox:
         if self.heard_all:
             return []
         words = ray.get(self.pending)
-        self.heard += len(words)
+        self.since += len(words)
+        tails = []
+        for rank, tail in words:
+            if rank not in self.heard:
+                self.heard.add(rank)
+                if tail is not None:
+                    tails.append(ray.get(tail[0]))
         if not self.heard_all:
-            self.pending = self.mailbox.take_all.remote(self.box, self.heard)
-        return [ray.get(w[0]) for w in words if w is not None]
+            self.pending = self.mailbox.take_all.remote(self.box, self.since)
+        return tails
 
 
 def merge(parts: Iterable[list[Batch]], prompts: Batch) -> Batch:
