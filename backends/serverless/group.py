@@ -295,6 +295,8 @@ class ServerlessGroup:
             g.finished[token] = u
             _gather(outs, wall_spans, theirs, spans)
         self._migrated(parts)
+        if box:
+            self.mailbox.close.remote(box)  # its chunks are no longer pinned in the object store
         gen_end = max(part.ended for part in parts)
         chunks = [concat(part.chunks) if part.chunks else Batch(0, {}) for part in parts]
         self._measure(chunks, used, choice, gen_end - (time.time() - time.perf_counter()) - started)
