@@ -142,6 +142,9 @@ class GroupProxy:
     def recover(self) -> None:
         self.inner.recover()
 
+    def stream_stage(self, *args: Any) -> Any:
+        return self.inner.stream_stage(*args)
+
     def state_dict(self) -> dict[str, Any]:
         return dict(self.inner.state_dict())
 
