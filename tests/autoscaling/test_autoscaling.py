@@ -39,11 +39,13 @@ CONFIG = {
 }
 
 # Runs in a child process. Nodes added: the node table after the run (Ray keeps removed nodes in it, dead), so
-# no watcher has to catch them alive. Nodes removed: the autoscaler does that in its own process after its idle
-# timeout and Ray offers no event for it, so the child waits for the condition itself; the 300 s bound (100x the
-# 3 s idle timeout, whatever the machine's speed) only turns "never" into a failure instead of a hang.
+# no watcher has to catch them alive. Nodes removed: the autoscaler removes an idle node by killing its raylet,
+# so the child waits for those processes to exit (the event itself; Ray offers none to a driver). The 300 s bound
+# only turns "never removed" into a failure instead of a hang: it does not race the removal on a slow machine,
+# and a fast one returns as soon as the processes are gone.
 CHILD = r"""
-import json, sys, time
+import json, sys
+import psutil
 import ray
 import flowrl
 address, flow, out = sys.argv[1:4]
@@ -52,15 +54,20 @@ ray.init(address=address, log_to_driver=False)
 def slot_nodes():
     return [n for n in ray.nodes() if n["Alive"] and n["Resources"].get("device_slot", 0) > 0]
 
+def raylets(nodes):  # a node's raylet process, found by its socket (unique per node)
+    sockets = {f"--raylet_socket_name={n['RayletSocketName']}" for n in nodes}
+    return [p for p in psutil.process_iter(["cmdline"]) if sockets & set(p.info["cmdline"] or [])]
+
 before = {n["NodeID"] for n in ray.nodes()}
 slots_before = len(slot_nodes())
 res = flowrl.run(flowrl.load(flow), out_dir=out, backend="serverless", backend_options={"address": address})
-added = len({n["NodeID"] for n in ray.nodes()} - before)
-limit = time.monotonic() + 300
-while slot_nodes() and time.monotonic() < limit:
-    time.sleep(0.5)
-print(json.dumps({"before": slots_before, "added": added, "after": len(slot_nodes()), "steps": len(res.metrics),
-                  "held_s": res.cost.get("held_s", 0.0)}))
+new = [n for n in ray.nodes() if n["NodeID"] not in before]
+found = len(raylets([n for n in ray.nodes() if n["NodeID"] in before and n["Alive"]]))  # the head's: 1
+watched = raylets(new)  # the added nodes' raylets still running (none if the autoscaler was quicker)
+_, alive = psutil.wait_procs(watched, timeout=300)  # until they exit
+print(json.dumps({"before": slots_before, "added": len(new), "found": found, "watched": len(watched),
+                  "after": len(alive),
+                  "steps": len(res.metrics), "held_s": res.cost.get("held_s", 0.0)}))
 """
 
 
@@ -94,4 +101,5 @@ def test_demand_adds_nodes_and_idle_nodes_go(split_grpo, tmp_path: Path) -> None
     assert seen["before"] == 0  # scaled to zero when the run began: nothing could run without the autoscaler
     assert seen["steps"] == 2 and seen["held_s"] > 0
     assert 1 <= seen["added"] <= 2  # demand added nodes (at most the type's max)
-    assert seen["after"] == 0  # and once the pools were idle, the idle nodes went
+    assert seen["found"] == 1  # a running raylet is found by its socket (so "none running" below means something)
+    assert seen["after"] == 0  # and once the pools were idle, the idle nodes went (their raylets exited)
