@@ -190,11 +190,8 @@ class ServerlessGroup:
     def _call(self, method: str, args: tuple[Any, ...], mode: str, kwargs: dict[str, Any]) -> Future:
         world = 1 if method in dispatch.UPDATES else self.world
         order, choice = None, None
-        if method == "generate" and world > 1 and args and isinstance(args[1], Batch):
-            choice = self._scale(args[1], args[2] if len(args) > 2 else {})
-            world = choice.chosen.instances if choice is not None else world
-            if self.policy.assign:
-                args, order = self._ranked(args, world)
+        if method == "generate" and args and isinstance(args[1], Batch):
+            args, world, order, choice = self._shards(args)
         plan = dispatch.plan(method, args, kwargs, mode, world)
         migrating = args[1] if method == "generate" and len(plan.calls) > 1 and self.policy.tau < 1.0 else None
         migration = f"{self.key[0]}/{self.name}/migrate-{next(self.boxes)}" if migrating is not None else ""
@@ -248,13 +245,7 @@ class ServerlessGroup:
         if not all(isinstance(g, ServerlessGroup) for g in consumers.values()):
             return None
         started = time.perf_counter()
-        args: tuple[Any, ...] = (str(gen.model), prompts, dict(gen.attrs))
-        world, order, choice = self.world, None, None
-        if world > 1:
-            choice = self._scale(prompts, args[2])
-            world = choice.chosen.instances if choice is not None else world
-            if self.policy.assign:
-                args, order = self._ranked(args, world)
+        args, world, order, choice = self._shards((str(gen.model), prompts, dict(gen.attrs)))
         plan = dispatch.plan("generate", args, {"step_seed": seed}, "split", world)
         box = f"{self.key[0]}/{self.name}/stream-{next(self.boxes)}" if away else ""
         first, warm = self._arrived(len(plan.calls), "generate")
@@ -275,14 +266,8 @@ class ServerlessGroup:
             refs, token = g._submit(waiting, {m: g.state[m] for m in g.models}, stream.CONSUME, (fs,),
                                     {"box": box, "producers": len(plan.calls), "mailbox": self.mailbox})
             jobs.append((g, fs[0].op, refs, token))
-        got = ray.get([r[0] for r, _ in made] + [r[1] for r, _ in made])
-        parts: list[migrate.Part] = got[:len(made)]
-        stats = got[len(made):]
+        parts, used = self._collect("generate", [r for r, _ in made], [t for _, t in made], first)
         self.mailbox.close.remote(migration)
-        used = [self._usage("generate", st) for st in stats]
-        self.usage.extend(used)
-        self.finished.update(zip([t for _, t in made], used, strict=True))
-        self._learn_start(used, first)
         outs: dict[str, list[tuple[Batch, Any]]] = {}
         wall_spans: dict[str, tuple[float, float]] = {}
         for part in parts:
@@ -294,22 +279,48 @@ class ServerlessGroup:
             g.usage.append(u)
             g.finished[token] = u
             _gather(outs, wall_spans, theirs, spans)
-        self._migrated(parts)
         if box:
             self.mailbox.close.remote(box)  # its chunks are no longer pinned in the object store
+        shift = time.time() - time.perf_counter()  # wall clock -> perf_counter
         gen_end = max(part.ended for part in parts)
-        chunks = [concat(part.chunks) if part.chunks else Batch(0, {}) for part in parts]
-        self._measure(chunks, used, choice, gen_end - (time.time() - time.perf_counter()) - started)
-        rollout = migrate.merge([[c] for c in chunks if c.size], args[1])
+        chunks, rollout = self._rollout(parts, args[1])
+        self._measure(chunks, used, choice, gen_end - shift - started)
         rows = self._restore_rows(rollout, order)
         rollout = self._learn_and_restore(rollout, order)
-        shift = time.time() - time.perf_counter()  # wall clock -> perf_counter
         return StreamedStage(
             rollout, {n: _in_order(assemble([o for o, _ in got_], [s for _, s in got_]), rows, order)
                       for n, got_ in outs.items()},
             {"fusion/chunks": float(sum(len(p.chunks) for p in parts)), "fusion/workers": float(len(plan.calls)),
              "fusion/gen_s": gen_end - shift - started},
             gen_end - shift, {n: (a - shift, b - shift) for n, (a, b) in wall_spans.items()})
+
+    def _shards(self, args: tuple[Any, ...]) -> tuple[tuple[Any, ...], int, list[int] | None, ScaleChoice | None]:
+        """A generation's (model, prompts, attrs) over this pool: the instance count (the cost-aware choice),
+        the prompts in length-ranked order -> (args, instances, the ranked order or None, the choice or None)."""
+        world, order, choice = self.world, None, None
+        if world > 1:
+            choice = self._scale(args[1], args[2] if len(args) > 2 else {})
+            world = choice.chosen.instances if choice is not None else world
+            if self.policy.assign:
+                args, order = self._ranked(args, world)
+        return args, world, order, choice
+
+    def _collect(self, method: str, refs: Sequence[Sequence[ray.ObjectRef]], tokens: Sequence[str],
+                 first: bool) -> tuple[list[Any], list[Usage]]:
+        """A call's instance results and their usage (recorded for the cost report and the ledger)."""
+        got = ray.get([r[0] for r in refs] + [r[1] for r in refs])
+        used = [self._usage(method, st) for st in got[len(refs):]]
+        self.usage.extend(used)
+        self.finished.update(zip(tokens, used, strict=False))
+        self._learn_start(used, first)
+        return got[:len(refs)], used
+
+    def _rollout(self, parts: Sequence[migrate.Part], prompts: Batch) -> tuple[list[Batch], Batch]:
+        """Generation instances' parts -> (each instance's finished rows as one batch, the rollout in sample
+        order); what moved between them goes to the metrics."""
+        self._migrated(parts)
+        rows = [concat(part.chunks) if part.chunks else Batch(0, {}) for part in parts]
+        return rows, migrate.merge([[r] for r in rows if r.size], prompts)
 
     def _role(self, rank: int, shards: int, box: str) -> migrate.Role | None:
         """A generation instance's part in cut-and-migrate: the last shard (the longest predicted work) is the
@@ -333,21 +344,13 @@ class ServerlessGroup:
     def finish(self, plan: dispatch.Plan, refs: list[list[ray.ObjectRef]], order: list[int] | None,
                choice: ScaleChoice | None = None, sent: float = 0.0, first: bool = False,
                migrating: Batch | None = None, tokens: Sequence[str] = ()) -> Any:
-        got = ray.get([r[0] for r in refs] + [r[1] for r in refs])
-        results = got[:len(refs)]
-        used = [self._usage(plan.method, st) for st in got[len(refs):]]
-        self.usage.extend(used)
-        self.finished.update(zip(tokens, used, strict=False))
-        self._learn_start(used, first)
+        results, used = self._collect(plan.method, refs, tokens, first)
         model = plan.calls[0].args[0] if plan.calls[0].args else None
         if migrating is not None:  # each instance's Part: its finished rows, what moved
-            self._migrated(results)
-            results = [concat(part.chunks) if part.chunks else Batch(0, {}) for part in results]
+            results, merged = self._rollout(results, migrating)
         if plan.method == "generate":
             self._measure(results, used, choice, time.perf_counter() - sent)
-        if migrating is not None:
-            merged = migrate.merge([[r] for r in results if r.size], migrating)
-        else:
+        if migrating is None:
             merged = dispatch.merge(plan, results, self.pads.get(model, 0) if isinstance(model, str) else 0)
         if plan.method == "generate" and isinstance(merged, Batch):
             merged = self._learn_and_restore(merged, order)
