@@ -23,7 +23,7 @@ from typing import Any
 import ray
 
 from flowrl.backends.ray.cluster import Session
-from flowrl.backends.serverless.group import Policy, ServerlessGroup, Usage
+from flowrl.backends.serverless.group import Policy, ServerlessGroup, Usage, lost_attempts
 from flowrl.backends.serverless.instance import SLOT, Build, remote_mailbox
 from flowrl.errors import Diagnostic, FlowError
 from flowrl.ir.graph import Graph, Range
@@ -49,6 +49,7 @@ class ServerlessBackend:
         self.crash_on_call = dict(crash_on_call or {})
         self.session = Session(address, log_dir, resources={SLOT: float(self.slots)})
         self.groups: dict[str, ServerlessGroup] = {}
+        self.mailbox: Any = None  # the Ray actor that hands over calls, tails and chunks, and keeps the ledger
 
     def start(self, graph: Graph, *, seed: int, device: str) -> dict[str, WorkerGroup]:
         self.session.open()
@@ -66,7 +67,7 @@ class ServerlessBackend:
                      "slots on demand), or let flowrl start a local Ray instance"))
         run = uuid.uuid4().hex[:8]
         keep_warm = bool(graph.run.get("keep_warm", True))
-        mailbox = remote_mailbox.remote()
+        mailbox = self.mailbox = remote_mailbox.remote()
         r = graph.run
         policy = Policy(cost_weight=float(str(r.get("cost_weight", 0.5))), prewarm=bool(r.get("prewarm", True)),
                         margin_s=float(str(r.get("prewarm_margin", 0.05))), tau=float(str(r.get("migrate_at", 0.7))),
@@ -110,7 +111,12 @@ class ServerlessBackend:
         return 0.0
 
     def usage(self) -> list[Usage]:
-        return [u for g in self.groups.values() for u in g.take_usage()]
+        """The instance tasks since the last call, with the attempts lost on the way (one ledger read a step)."""
+        used = [u for g in self.groups.values() for u in g.take_usage()]
+        finished = {t: u for g in self.groups.values() for t, u in g.take_finished().items()}
+        if finished and self.mailbox is not None:
+            used += lost_attempts(ray.get(self.mailbox.take_attempts.remote(list(finished))), finished)
+        return used
 
     def metrics(self) -> dict[str, float]:
         """Each pool's scaling decisions since the last call (`scale/GROUP/...`)."""
@@ -119,5 +125,5 @@ class ServerlessBackend:
     def shutdown(self) -> None:
         for g in self.groups.values():
             g.close()
-        self.groups = {}
+        self.groups, self.mailbox = {}, None
         self.session.close()

@@ -95,6 +95,20 @@ class Warm:
     refs: list[ray.ObjectRef]
 
 
+def lost_attempts(attempts: Mapping[str, Sequence[tuple[int, float]]], finished: Mapping[str, Usage]) -> list[Usage]:
+    """Attempts whose process was lost (Ray re-ran their task), from the ledger's records (token -> (pid, start)
+    of each attempt) and the usage each task's returning attempt reported: each lost one held its slot from its
+    start to the next attempt's start, and forced a replacement to start (counted as a cold start)."""
+    out = []
+    for token, tried in attempts.items():
+        kept = finished[token]
+        ordered = sorted(tried, key=lambda a: a[1])
+        for (pid, began), (_, retried) in zip(ordered, ordered[1:], strict=False):
+            if pid != kept.pid:
+                out.append(Usage(kept.pool, kept.group, pid, began, 0.0, 0.0, 0.0, True, lost_s=retried - began))
+    return out
+
+
 class ServerlessFuture:
     def __init__(self, group: ServerlessGroup, plan: dispatch.Plan, refs: list[list[ray.ObjectRef]],
                  order: list[int] | None, choice: ScaleChoice | None = None, first: bool = False,
@@ -527,22 +541,11 @@ class ServerlessGroup:
                     self.finished[w.box] = self.usage[-1]
                     self.mailbox.close.remote(w.box)
                 self.unused = [x for x in self.unused if x[0].refs[1] not in ready]
-            self.usage.extend(self._lost())
             out, self.usage = self.usage, []
         return out
 
-    def _lost(self) -> list[Usage]:
-        """Attempts whose process was lost (Ray re-ran their task): each held its slot from its start to the next
-        attempt's start, and forced a replacement to start (counted as a cold start)."""
-        if not self.finished or self.mailbox is None:
-            return []
-        attempts = ray.get(self.mailbox.take_attempts.remote(list(self.finished)))
-        out = []
-        for token, tried in attempts.items():
-            kept = self.finished[token]
-            tried = sorted(tried, key=lambda a: a[1])
-            for (pid, began), (_, retried) in zip(tried, tried[1:], strict=False):
-                if pid != kept.pid:
-                    out.append(Usage(kept.pool, self.name, pid, began, 0.0, 0.0, 0.0, True, lost_s=retried - began))
-        self.finished = {}
+    def take_finished(self) -> dict[str, Usage]:
+        """Ledger token -> the usage of each instance task that returned since the last call."""
+        with self.lock:
+            out, self.finished = self.finished, {}
         return out
