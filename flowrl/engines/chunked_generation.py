@@ -26,7 +26,15 @@ import torch
 from torch import Tensor, nn
 
 from flowrl.engines.forward import positions_from_mask
-from flowrl.engines.generation import Sampler, check_sampling_args, kv_rows, left_pad_prompts, make_cache
+from flowrl.engines.generation import (
+    Sampler,
+    check_sampling_args,
+    kv_rows,
+    left_pad_prompts,
+    make_cache,
+    prefill_prompts,
+)
+from flowrl.engines.prefill import Prefixes
 from flowrl.models.build import cache_kw
 from flowrl.models.tokenizer import Tokenizer
 
@@ -243,8 +251,9 @@ class _Decoder:
 def generate_stream(module: nn.Module, tokenizer: Tokenizer, prompts: Sequence[Sequence[int]], *, n: int,
                     sampling: Sampling, generator: torch.Generator | None, chunk: int, share_prefix: bool = True,
                     first_sample: int = 0, control: StreamControl | None = None, flush: int = 0,
-                    partial: float = 0.0, device: str | torch.device = "cpu") -> Iterator[GenChunk | Tail]:
-    """`generate(...)` as a stream: finished samples in chunks of about `chunk` (and, with `flush`, whatever
+                    partial: float = 0.0, prefixes: Prefixes | None = None,
+                    device: str | torch.device = "cpu") -> Iterator[GenChunk | Tail]:
+    """`generate(...)` as a stream (`prefixes` as there): finished samples in chunks of about `chunk` (and, with `flush`, whatever
     finished once `flush` decode steps passed since the last hand-over), or a `Tail` when exported. With
     `partial` (a fraction of the rows), unfinished rows' responses so far go out every `flush` steps once at
     most that fraction is still decoding."""
@@ -252,7 +261,7 @@ def generate_stream(module: nn.Module, tokenizer: Tokenizer, prompts: Sequence[S
     check_sampling_args(prompts, n, s.max_tokens, s.min_tokens, s.temperature, s.top_p)
     dev = torch.device(device)
     ids, mask = left_pad_prompts(prompts, tokenizer.pad_id, dev)  # (B, P)
-    batch, width = ids.shape
+    batch = ids.shape[0]
     rows = batch * n
     out = (torch.full((rows, s.max_tokens), tokenizer.pad_id, dtype=torch.long, device=dev),
            torch.zeros((rows, s.max_tokens), dtype=torch.float32, device=dev),
@@ -260,24 +269,17 @@ def generate_stream(module: nn.Module, tokenizer: Tokenizer, prompts: Sequence[S
     full_mask = mask.repeat_interleave(n, dim=0)  # (N, P)
     dec = _Decoder(module, tokenizer, s, torch.arange(rows, device=dev) + first_sample,
                    ids.repeat_interleave(n, dim=0), full_mask, out)
-    dec.cache, dec.ours = make_cache(module, width + s.max_tokens)
-    share = share_prefix and n > 1
-    run_ids, run_mask = (ids, mask) if share else (ids.repeat_interleave(n, dim=0), full_mask)
     with torch.inference_mode():
-        first = module(input_ids=run_ids, attention_mask=run_mask, position_ids=positions_from_mask(run_mask),
-                       use_cache=True, logits_to_keep=1, **cache_kw(module, dec.cache))  # fmt: skip
-        logits = first.logits[:, -1].float()
-        if share:
-            logits = logits.repeat_interleave(n, dim=0)
-            dec.cache.batch_repeat_interleave(n)  # type: ignore[attr-defined]
-    dec.logits = logits
+        pre = prefill_prompts(module, prompts, ids, mask, n=n, share=share_prefix and n > 1, extra=s.max_tokens,
+                              prefixes=prefixes, pad=tokenizer.pad_id)
+    dec.cache, dec.ours, dec.logits = pre.cache, pre.ours, pre.logits
     dec.rows = torch.arange(rows, device=dev)
     dec.seg = dec.t_row = torch.zeros(rows, dtype=torch.long, device=dev)
     dec.vpos = torch.arange(rows, device=dev)
     dec.done = torch.zeros(rows, dtype=torch.bool, device=dev)
-    dec.attn = torch.cat([full_mask, torch.ones_like(out[2])], dim=1)  # (N, P + max_tokens)
+    dec.attn = torch.cat([pre.mask, torch.ones_like(out[2])], dim=1)  # (N, W + max_tokens)
     dec.pos = positions_from_mask(full_mask)[:, -1] + 1
-    dec.length = width
+    dec.length = pre.mask.shape[1]
     dec.segments = [_Segment(None, 0, rows, gen=generator)]
     return _drive(dec, chunk, control, flush, math.floor(partial * rows) if flush > 0 else 0)
 

@@ -26,6 +26,8 @@ from flowrl.engines.forward import (
     forward_values,
     positions_from_mask,
 )
+from flowrl.engines.prefill import Prefixes, expand, left_pad, match
+from flowrl.engines.prefill import positions as level_positions
 from flowrl.models.attention import SharedPrefix, reads_shared_prefix
 from flowrl.models.build import cache_kw
 from flowrl.models.tokenizer import Tokenizer
@@ -65,40 +67,36 @@ def generate(
     top_p: float = 1.0,
     generator: torch.Generator | None = None,
     share_prefix: bool = True,
+    prefixes: Prefixes | None = None,
     device: str | torch.device = "cpu",
 ) -> GenOutput:
-    """Sample `n` responses per prompt; temperature 0 is greedy, EOS is banned before `min_tokens`."""
+    """Sample `n` responses per prompt; temperature 0 is greedy, EOS is banned before `min_tokens`. With
+    `prefixes` (computed here or elsewhere, flowrl.engines.prefill), a prompt opening with one of them
+    prefills only its rest (same samples, to float rounding)."""
     check_sampling_args(prompts, n, max_tokens, min_tokens, temperature, top_p)
     pad, eos = tokenizer.pad_id, tokenizer.eos_id
     dev = torch.device(device)
     ids, mask = left_pad_prompts(prompts, pad, dev)  # (B, P)
-    batch, width = ids.shape
+    batch = ids.shape[0]
     rows = batch * n
-    # `ours`: the cache is our buffered one, which also supports dropping finished rows mid-decode.
-    cache, ours = make_cache(module, width + max_tokens)
-    share = share_prefix and n > 1
-    run_ids = ids if share else ids.repeat_interleave(n, dim=0)
-    run_mask = mask if share else mask.repeat_interleave(n, dim=0)
     full_prompt_mask = mask.repeat_interleave(n, dim=0)  # (N, P)
     sampler = Sampler(temperature, top_p, min_tokens, eos, generator)
 
     out_ids = torch.full((rows, max_tokens), pad, dtype=torch.long, device=dev)
     out_mask = torch.zeros((rows, max_tokens), dtype=torch.long, device=dev)
     out_lp = torch.zeros((rows, max_tokens), dtype=torch.float32, device=dev)
-    # Generated slots always attend (finished rows are never read), so the mask is built once and sliced.
-    attn = torch.cat([full_prompt_mask, torch.ones_like(out_mask)], dim=1)  # (N, P + max_tokens)
     next_pos = positions_from_mask(full_prompt_mask)[:, -1:] + 1  # (N, 1) position of response token 0
     live: Tensor | None = None  # current batch row -> output row; None while it is the identity
     done = torch.zeros(rows, dtype=torch.bool, device=dev)
 
-    kv = cache_kw(module, cache)  # the same cache, updated in place, for every step
     with torch.inference_mode():
-        out = module(input_ids=run_ids, attention_mask=run_mask, position_ids=positions_from_mask(run_mask),
-                     use_cache=True, logits_to_keep=1, **kv)  # fmt: skip
-        logits = out.logits[:, -1].float()  # (B or N, V)
-        if share:
-            logits = logits.repeat_interleave(n, dim=0)  # (N, V)
-            cache.batch_repeat_interleave(n)
+        pre = prefill_prompts(module, prompts, ids, mask, n=n, share=share_prefix and n > 1, extra=max_tokens,
+                              prefixes=prefixes, pad=pad)
+        # `ours`: the cache is our buffered one, which also supports dropping finished rows mid-decode.
+        cache, ours, logits, width = pre.cache, pre.ours, pre.logits, pre.mask.shape[1]
+        kv = cache_kw(module, cache)  # the same cache, updated in place, for every step
+        # Generated slots always attend (finished rows are never read), so the mask is built once and sliced.
+        attn = torch.cat([pre.mask, torch.ones_like(out_mask)], dim=1)  # (N, W + max_tokens)
         for t in range(max_tokens):
             tok, lp = sampler(logits, t)  # (rows_now,)
             alive = ~done
@@ -132,6 +130,51 @@ def generate(
         prompt_index=torch.arange(batch, device=dev).repeat_interleave(n),
         logprobs=out_lp[:, :length].contiguous(),
     )
+
+
+@dataclass
+class Prefilled:
+    """Prompts prefilled into a new decode cache: the (N, V) scores of response token 0 and the (N, W) mask of
+    the cache's prompt slots (W: the prompt width, or a prefix's and a rest's with `prefixes`)."""
+
+    cache: Any
+    ours: bool  # the cache is flowrl's buffered one (it can drop finished rows)
+    logits: Tensor
+    mask: Tensor
+
+
+def prefill_prompts(module: nn.Module, prompts: Sequence[Sequence[int]], ids: Tensor, mask: Tensor, *, n: int,
+                    share: bool, extra: int, prefixes: Prefixes | None, pad: int) -> Prefilled:
+    """The prefill of `generate` and `generate_stream` (under inference mode): the B left-padded prompts `ids`,
+    once each when `share` (the cache then repeated n times), else each of the N = B * n rows. With `prefixes`,
+    a prompt opening with one runs only its rest, after the prefix's keys and values (rows [prefix | rest],
+    engines/prefill.py); caches other than full attention (sliding windows) ignore them."""
+    group_of = match(prompts, prefixes) if prefixes is not None else []
+    cache, ours = make_cache(module, ids.shape[1] + extra)
+    if prefixes is None or max(group_of, default=-1) < 0 or not ours:
+        run_ids, run_mask = (ids, mask) if share else (ids.repeat_interleave(n, 0), mask.repeat_interleave(n, 0))
+        out = module(input_ids=run_ids, attention_mask=run_mask, position_ids=positions_from_mask(run_mask),
+                     use_cache=True, logits_to_keep=1, **cache_kw(module, cache))  # fmt: skip
+        cache_mask = run_mask
+    else:
+        past, past_mask, start = expand(prefixes.to(ids.device), group_of)
+        rest_ids, rest_mask = left_pad([p[int(s):] for p, s in zip(prompts, start.tolist(), strict=True)], pad,
+                                       ids.device)
+        if not share:
+            past = [(k.repeat_interleave(n, 0), v.repeat_interleave(n, 0)) for k, v in past]
+            past_mask, start = past_mask.repeat_interleave(n, 0), start.repeat_interleave(n, 0)
+            rest_ids, rest_mask = rest_ids.repeat_interleave(n, 0), rest_mask.repeat_interleave(n, 0)
+        cache, ours = make_cache(module, past_mask.shape[1] + rest_ids.shape[1] + extra)
+        for layer, (k, v) in zip(cache.layers, past, strict=True):
+            layer.update(k, v)
+        cache_mask = torch.cat([past_mask, rest_mask], dim=1)
+        out = module(input_ids=rest_ids, attention_mask=cache_mask, position_ids=level_positions(rest_mask, start),
+                     use_cache=True, logits_to_keep=1, **cache_kw(module, cache))  # fmt: skip
+    logits = out.logits[:, -1].float()  # (B or N, V)
+    if share:
+        logits, cache_mask = logits.repeat_interleave(n, dim=0), cache_mask.repeat_interleave(n, dim=0)
+        cache.batch_repeat_interleave(n)
+    return Prefilled(cache, ours, logits, cache_mask)
 
 
 class Sampler:

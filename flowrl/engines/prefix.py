@@ -32,10 +32,11 @@ from transformers.cache_utils import DynamicLayer
 from flowrl.engines import packing_cost
 from flowrl.engines.forward import token_entropy, token_logprobs
 from flowrl.engines.packing_cost import packed_rows, packed_width, run_lengths
+from flowrl.engines.prefill import compute_prefixes, expand, left_pad, level, run
 from flowrl.engines.prompt_cache import KV, PromptCache, PromptState, cache_of, stack, store
 from flowrl.engines.trie import PrefixPlan, plan_of, plan_prefixes
 from flowrl.models.attention import NAME as ATTENTION
-from flowrl.models.build import ValueModel, cache_kw
+from flowrl.models.build import ValueModel
 
 __all__ = ["PromptState", "packed_logprobs_entropy", "packed_values", "prefill", "shared_logprobs", "shared_values"]
 
@@ -52,66 +53,22 @@ def _supports_cache(module: nn.Module) -> bool:
     return bool(layers) and all(type(layer) is DynamicLayer for layer in layers)
 
 
-def _left_pad(rows: Sequence[Sequence[int]], pad: int, device: torch.device) -> tuple[Tensor, Tensor]:
-    width = max(1, max((len(r) for r in rows), default=1))
-    ids = torch.full((len(rows), width), pad, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, r in enumerate(rows):
-        if r:
-            ids[i, width - len(r):] = torch.as_tensor(list(r), dtype=torch.long)
-            mask[i, width - len(r):] = 1
-    return ids.to(device), mask.to(device)
-
-
-def _run(module: nn.Module, ids: Tensor, attn: Tensor, positions: Tensor, past: KV | None,
-         keep: int) -> tuple[Tensor, KV]:
-    """One level: `ids` (b, w) after `past` (b, heads, s, d) per layer, with a 2-D (b, s + w) or 4-D attention
-    mask. Returns the last `keep` outputs (logits (b, keep, V) for an LM, hidden states (b, keep, H) for a
-    value model) and the grown cache."""
-    lm: Any = module.backbone if isinstance(module, ValueModel) else module
-    cache = DynamicCache(config=lm.config)
-    for i, (k, v) in enumerate(past or []):
-        cache.update(k, v, i)
-    if isinstance(module, ValueModel):
-        out = lm(input_ids=ids, attention_mask=attn, position_ids=positions, use_cache=True, **cache_kw(lm, cache))
-        result = out.last_hidden_state[:, -keep:]
-    else:
-        out = module(input_ids=ids, attention_mask=attn, position_ids=positions, use_cache=True,
-                     logits_to_keep=keep, **cache_kw(module, cache))  # fmt: skip
-        result = out.logits[:, -keep:]
-    layers: list[Any] = list(cache.layers)
-    return result, [(layer.keys, layer.values) for layer in layers]
-
-
-def _level(module: nn.Module, ids: Tensor, mask: Tensor, start: Tensor, past: KV | None,
-           past_mask: Tensor | None, keep: int) -> tuple[Tensor, KV]:
-    """A level of left-padded rows: positions count real tokens from `start` (b,)."""
-    attn = mask if past_mask is None else torch.cat([past_mask, mask], dim=1)  # (b, s + w)
-    positions = (start[:, None] + mask.cumsum(-1) - 1).clamp(min=0)  # (b, w)
-    return _run(module, ids, attn, positions, past, keep)
-
-
 def prefill(module: nn.Module, plan: PrefixPlan, pad: int, device: torch.device) -> PromptState:
-    """Levels A and B of `plan`: each trie prefix once, then each unique prompt's remainder once."""
-    prefix_len = [0] * len(plan.unique)
+    """Levels A and B of `plan`: each trie prefix once (engines/prefill.py), then each unique prompt's remainder
+    once."""
     group_of = [-1] * len(plan.unique)
-    for g, (length, members) in enumerate(plan.groups):
+    for g, (_, members) in enumerate(plan.groups):
         for u in members:
-            prefix_len[u], group_of[u] = length, g
+            group_of[u] = g
     past: KV | None = None
     past_mask: Tensor | None = None
+    start = torch.zeros(len(plan.unique), dtype=torch.long, device=device)
     if plan.groups:
-        ids, mask = _left_pad([plan.unique[m[0]][:length] for length, m in plan.groups], pad, device)
-        zero = torch.zeros(len(plan.groups), dtype=torch.long, device=device)
-        _, kv_a = _level(module, ids, mask, zero, None, None, 1)
-        # Ungrouped prompts get an all-masked (zero) past so that level B stays one batch.
-        rows = torch.tensor([max(g, 0) for g in group_of], device=device)
-        keep = torch.tensor([g >= 0 for g in group_of], device=device)
-        past = [(k[rows] * keep[:, None, None, None], v[rows] * keep[:, None, None, None]) for k, v in kv_a]
-        past_mask = mask[rows] * keep[:, None]
-    ids, mask = _left_pad([p[prefix_len[u]:] for u, p in enumerate(plan.unique)], pad, device)
-    start = torch.tensor(prefix_len, dtype=torch.long, device=device)
-    last, kv = _level(module, ids, mask, start, past, past_mask, 1)
+        level_a = compute_prefixes(module, [plan.unique[m[0]][:length] for length, m in plan.groups], pad, device)
+        past, past_mask, start = expand(level_a, group_of)
+    prefix_len = start.tolist()
+    ids, mask = left_pad([p[prefix_len[u]:] for u, p in enumerate(plan.unique)], pad, device)
+    last, kv = level(module, ids, mask, start, past, past_mask, 1)
     full_mask = mask if past_mask is None else torch.cat([past_mask, mask], dim=1)
     lengths = torch.tensor([len(p) for p in plan.unique], dtype=torch.long, device=device)
     return PromptState(kv, full_mask, lengths, last[:, -1])
@@ -126,7 +83,7 @@ def _responses(module: nn.Module, state: PromptState, prompts: Tensor, response_
     if length == 1:
         return first
     past = [(k[prompts], v[prompts]) for k, v in state.kv]
-    rest, _ = _level(module, response_ids[:, :-1], response_mask[:, :-1].long(), state.lengths[prompts], past,
+    rest, _ = level(module, response_ids[:, :-1], response_mask[:, :-1].long(), state.lengths[prompts], past,
                      state.mask[prompts], length - 1)
     return torch.cat([first, rest], dim=1)
 
@@ -194,7 +151,7 @@ def _responses_packed(module: nn.Module, state: PromptState, prompts: Tensor, re
     q = pk.ids.shape[1]
     seen = torch.cat([state.mask[pk.units].bool()[:, None, :].expand(-1, q, -1), pk.own], dim=2)[:, None]
     past = [(k[pk.units], v[pk.units]) for k, v in state.kv]
-    out, _ = _run(module, pk.ids, _additive(seen), state.lengths[pk.units][:, None] + pk.position, past, q)
+    out, _ = run(module, pk.ids, _additive(seen), state.lengths[pk.units][:, None] + pk.position, past, q)
     return _unpack(out, pk, state.last[prompts], response_ids.shape[1])
 
 
@@ -214,7 +171,7 @@ def _single_pass(module: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, pro
     seen = torch.cat([top, torch.cat([real[:, None, :].expand(-1, q, -1), pk.own], dim=2)], dim=1)[:, None]
     lengths = mask.sum(1)
     positions = torch.cat([(mask.cumsum(-1) - 1).clamp(min=0), lengths[:, None] + pk.position], dim=1)
-    out, kv = _run(module, torch.cat([ids, pk.ids], dim=1), _additive(seen), positions, None, q + 1)
+    out, kv = run(module, torch.cat([ids, pk.ids], dim=1), _additive(seen), positions, None, q + 1)
     state = PromptState([(k[:, :, :width], v[:, :, :width]) for k, v in kv], mask, lengths, out[:, 0])
     return _unpack(out[:, 1:], pk, out[:, 0][pk.slot], response_ids.shape[1]), state
 
@@ -273,8 +230,8 @@ def _shared(module: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, response
         state = _prompt_states(module, plan, min_len, pad, device, cache)
         for rows in _row_chunks(plan.row_prompt, micro_batch):
             idx = torch.tensor(rows, device=device)
-            run = _responses_packed if packed else _responses
-            outputs = run(module, state, row_prompt[idx], response_ids[idx], response_mask[idx])
+            respond = _responses_packed if packed else _responses
+            outputs = respond(module, state, row_prompt[idx], response_ids[idx], response_mask[idx])
             out[idx] = finish(outputs, response_ids[idx], response_mask[idx].long())
     return out
 
