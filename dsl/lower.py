@@ -21,6 +21,7 @@ from flowrl.errors import DataError
 from flowrl.ir.graph import ROLES, DataDecl, Graph, ModelDecl, Range, Ref, RewardDecl, Value, frozen
 from flowrl.ir.signatures import (
     DATA_KEYS,
+    DEDUP_PREFILL,
     ENGINES,
     HTTP_REWARD_KEYS,
     MODEL_KEYS,
@@ -482,6 +483,11 @@ class _Lowering:
         if "migrate_at" in block and isinstance(tau, (int, float)) and not 0.0 < float(tau) <= 1.0:
             self.rep.error(block["migrate_at"].src, "`migrate_at` must be above 0 and at most 1",
                            block["migrate_at"].entry.value, hint="1 never migrates")
+        dedup = filled.get("dedup_prefill")
+        if "dedup_prefill" in block and dedup not in DEDUP_PREFILL:
+            self.rep.error(block["dedup_prefill"].src, f"`dedup_prefill` must be one of {', '.join(DEDUP_PREFILL)}",
+                           block["dedup_prefill"].entry.value,
+                           hint="auto hands a shared prefix over where that measured cheaper than recomputing it")
         weight = filled.get("cost_weight")
         if "cost_weight" in block and isinstance(weight, (int, float)) and not 0.0 <= float(weight) <= 1.0:
             self.rep.error(block["cost_weight"].src, "`cost_weight` must be between 0 and 1",

@@ -29,7 +29,7 @@ from flowrl.errors import Diagnostic, FlowError
 from flowrl.ir.graph import Graph, Range
 from flowrl.runtime.protocol import WorkerGroup
 
-ABLATE = ("predict", "assign", "migrate", "scale", "prewarm")
+ABLATE = ("predict", "assign", "dedup", "migrate", "scale", "prewarm")
 
 
 class ServerlessBackend:
@@ -40,7 +40,7 @@ class ServerlessBackend:
                  crash_on_call: Mapping[str, tuple[str, int, str]] | None = None, ablate: Iterable[str] = ()):
         """`crash_on_call` (tests only): group -> (method, n, marker file): that group's n-th `method` call loses
         its first instance mid-call (see instance.serve). `ablate`: mechanisms switched off, for the ablation
-        (`predict`, `assign`, `migrate`, `scale`, `prewarm`)."""
+        (`predict`, `assign`, `dedup` (deduplicated prefill), `migrate`, `scale`, `prewarm`)."""
         unknown = set(ablate) - set(ABLATE)
         if unknown:
             raise ValueError(f"ablate: unknown mechanisms {sorted(unknown)}; known: {', '.join(ABLATE)}")
@@ -72,7 +72,8 @@ class ServerlessBackend:
         policy = Policy(cost_weight=float(str(r.get("cost_weight", 0.5))), prewarm=bool(r.get("prewarm", True)),
                         margin_s=float(str(r.get("prewarm_margin", 0.05))), tau=float(str(r.get("migrate_at", 0.7))),
                         predict="predict" not in self.ablate, assign="assign" not in self.ablate,
-                        scale="scale" not in self.ablate)
+                        scale="scale" not in self.ablate,
+                        dedup="off" if "dedup" in self.ablate else str(r.get("dedup_prefill", "auto")))
         if "migrate" in self.ablate:
             policy = replace(policy, tau=1.0)
         if "prewarm" in self.ablate:

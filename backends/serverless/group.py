@@ -26,17 +26,19 @@ from typing import Any
 import ray
 import torch
 
-from flowrl.backends.serverless import migrate, stream
+from flowrl.backends.serverless import migrate, prefill, stream
 from flowrl.backends.serverless.instance import SLOT, Build, remote_prewarm, remote_serve
 from flowrl.elastic.assign import ranked_runs
 from flowrl.elastic.predict import LengthPredictor
 from flowrl.elastic.prewarm import prewarm_delay
 from flowrl.elastic.scale import DecodeCurve, ScaleChoice, choose_instances
+from flowrl.ir.attrs import GenerateAttrs
 from flowrl.ir.graph import Node
 from flowrl.runtime import dispatch
 from flowrl.runtime.batch import Batch
 from flowrl.runtime.chunks import ChunkForward, assemble, concat
 from flowrl.runtime.protocol import Future, StreamedStage, WorkerGroup
+from flowrl.runtime.worker import PromptEncoder
 
 # Without `placement`, a group's calls count in one elastic pool per stage kind.
 STAGE_KINDS = {"generate": "generation", "logprobs": "inference", "values": "inference", "score": "inference",
@@ -75,8 +77,8 @@ class Usage:
 
 @dataclass(frozen=True)
 class Policy:
-    """A pool's elastic policy (`run { cost_weight, prewarm, prewarm_margin, migrate_at }`); `predict`, `assign`
-    and `scale` switch mechanisms off one at a time for the ablation (bench/serverless.py)."""
+    """A pool's elastic policy (`run { cost_weight, prewarm, prewarm_margin, migrate_at, dedup_prefill }`);
+    `predict`, `assign` and `scale` switch mechanisms off one at a time for the ablation (bench/serverless.py)."""
 
     cost_weight: float = 0.5  # 1 buys the fastest generation, 0 the fewest device-seconds
     prewarm: bool = True
@@ -85,6 +87,7 @@ class Policy:
     predict: bool = True  # per-prompt length prediction (off: every prompt predicted at the last batch mean)
     assign: bool = True  # length-ranked assignment (off: prompts in their data order)
     scale: bool = True  # the cost-aware instance count (off: the pool's upper size)
+    dedup: str = "auto"  # deduplicated prefill: auto | handover | local | off (backends/serverless/prefill.py)
 
 
 @dataclass(frozen=True)
@@ -191,10 +194,16 @@ class ServerlessGroup:
         self.boxes = itertools.count()
         self.first_method = "generate"  # the method of the step's first call (its pool counts unused instances)
         self.finished: dict[str, Usage] = {}  # ledger token -> the usage its finished attempt reported
+        self.encoders: dict[str, PromptEncoder] = {}  # generating models' prompt tokenization (prefill planning)
+        self.prefill = prefill.Measured()
+        self.grouped_tokens = 0.0  # the last generation's prompt tokens in shared prefixes (before dedup)
 
     def start(self) -> None:
         """One instance builds the models once (the pool's first cold start) and tells their pad ids."""
         self.pads = {m: int(self.call("pad_id", m, dispatch="rank0").result()) for m in self.models}
+        if self.policy.dedup != "off":
+            self.encoders = {m.name: self.call("prompt_encoder", m.name, dispatch="rank0").result()
+                             for m in self.build.models if m.role == "policy" and m.engine == "torch"}
 
     # ---- the WorkerGroup protocol --------------------------------------------------------------------
     def call(self, method: str, *args: Any, dispatch: str = "split", **kwargs: Any) -> Future:
@@ -216,13 +225,14 @@ class ServerlessGroup:
         marker = crash[2] if crash is not None and (crash[0], crash[1]) == (method, self.calls[method]) else None
         first, warm = self._arrived(len(plan.calls), method)
         refs: list[list[ray.ObjectRef]] = []
-        boxes = [w.box for w in warm] + ([migration] if migrating is not None else [])
+        shares, shared = self._shares(method, plan)
+        boxes = [w.box for w in warm] + ([migration] if migrating is not None else []) + ([shared] if shared else [])
         tokens: list[str] = []
         for c in plan.calls:
             lost = marker if c.rank == 0 else None
-            how, kw = method, c.kwargs
+            how, kw = method, {**c.kwargs, **({"share": shares[c.rank]} if shares else {})}
             if migrating is not None:
-                how, kw = migrate.METHOD, {**c.kwargs, "first_prompt": c.offset, "mailbox": self.mailbox,
+                how, kw = migrate.METHOD, {**kw, "first_prompt": c.offset, "mailbox": self.mailbox,
                                            "role": self._role(c.rank, len(plan.calls), migration)}
             got, token = self._submit(warm, wanted, how, c.args, kw, new, lost)
             refs.append(got)
@@ -266,9 +276,11 @@ class ServerlessGroup:
         here = [_chunk_forward(f) for f in forwards if f.worker_group == self.name]
         made = []
         migration = f"{self.key[0]}/{self.name}/migrate-{next(self.boxes)}"
+        shares, shared = self._shares("generate", plan)
         for c in plan.calls:
             kw = {**c.kwargs, "first_prompt": c.offset, "box": box, "inline": here, "mailbox": self.mailbox,
-                  "role": self._role(c.rank, len(plan.calls), migration)}
+                  "role": self._role(c.rank, len(plan.calls), migration),
+                  **({"share": shares[c.rank]} if shares else {})}
             made.append(self._submit(warm, {m: self.state[m] for m in self.models}, migrate.METHOD, c.args, kw))
         if away:  # the forward instances start with the first chunk (or once a generation instance returned)
             ray.wait([self.mailbox.take_all.remote(box, 0), *[r[1] for r, _ in made]], num_returns=1)
@@ -281,7 +293,8 @@ class ServerlessGroup:
                                     {"box": box, "producers": len(plan.calls), "mailbox": self.mailbox})
             jobs.append((g, fs[0].op, refs, token))
         parts, used = self._collect("generate", [r for r, _ in made], [t for _, t in made], first)
-        self.mailbox.close.remote(migration)
+        for done in [migration, shared] if shared else [migration]:
+            self.mailbox.close.remote(done)
         outs: dict[str, list[tuple[Batch, Any]]] = {}
         wall_spans: dict[str, tuple[float, float]] = {}
         for part in parts:
@@ -324,6 +337,7 @@ class ServerlessGroup:
         """A call's instance results and their usage (recorded for the cost report and the ledger)."""
         got = ray.get([r[0] for r in refs] + [r[1] for r in refs])
         used = [self._usage(method, st) for st in got[len(refs):]]
+        self._learn_prefill([st["prefill"] for st in got[len(refs):] if "prefill" in st])
         self.usage.extend(used)
         self.finished.update(zip(tokens, used, strict=False))
         self._learn_start(used, first)
@@ -335,6 +349,42 @@ class ServerlessGroup:
         self._migrated(parts)
         rows = [concat(part.chunks) if part.chunks else Batch(0, {}) for part in parts]
         return rows, migrate.merge([[r] for r in rows if r.size], prompts)
+
+    def _shares(self, method: str, plan: dispatch.Plan) -> tuple[list[prefill.Share], str]:
+        """A generation's deduplicated prefill: each instance's `Share` and the box owners offer prefixes in
+        (([], "") when it does not apply: not a generation, share-prefix off, vLLM, `dedup_prefill = "off"`)."""
+        if method != "generate" or not plan.calls or len(plan.calls[0].args) < 3:
+            return [], ""
+        model, _, attrs = plan.calls[0].args[:3]
+        a = GenerateAttrs.of(attrs)
+        if model not in self.encoders or not a.share_prefix or self.mailbox is None:
+            return [], ""
+        shards = [c.args[1] for c in plan.calls]
+        if not all(isinstance(b, Batch) and "prompt" in b.meta for b in shards):
+            return [], ""
+        box = f"{self.key[0]}/{self.name}/prefill-{next(self.boxes)}"
+        shares, decided = prefill.plan_shares(
+            self.encoders[model], [t for b in shards for t in b.meta["prompt"]], a.max_tokens, a.prefix_min_len,
+            [b.size for b in shards], self.policy.dedup, self.prefill, box, self.mailbox)
+        if not decided["prefixes"]:
+            return [], ""
+        self.grouped_tokens = decided.pop("grouped_tokens")
+        self.metrics.update({f"prefill/{self.name}/{k}": v for k, v in decided.items()})
+        return shares, box
+
+    def _learn_prefill(self, stats: Sequence[Mapping[str, float]]) -> None:
+        """What the instances' deduplicated prefill measured: the rates the next decision uses, and the step's
+        metrics (prefix tokens computed, saved against every prompt prefilling its prefix, handed over)."""
+        if not stats:
+            return
+        self.prefill.learn(stats)
+        g = f"prefill/{self.name}/"
+        computed = sum(s["prefill_tokens"] for s in stats)
+        self.metrics[g + "computed_tokens"] = computed
+        self.metrics[g + "saved_tokens"] = self.grouped_tokens - computed
+        self.metrics[g + "prefill_s"] = sum(s["prefill_s"] for s in stats)
+        for key in ("handover_tokens", "handover_bytes", "handover_s", "handover_missed"):
+            self.metrics[g + key] = sum(s[key] for s in stats)
 
     def _role(self, rank: int, shards: int, box: str) -> migrate.Role | None:
         """A generation instance's part in cut-and-migrate: the last shard (the longest predicted work) is the

@@ -29,7 +29,7 @@ from typing import Any
 
 import ray
 
-from flowrl.backends.serverless import migrate, stream
+from flowrl.backends.serverless import migrate, prefill, stream
 from flowrl.ir.graph import ModelDecl
 from flowrl.runtime.dispatch import UPDATES
 from flowrl.runtime.worker import ModelWorker
@@ -89,8 +89,12 @@ def _attempt(ledger: tuple[Any, str] | None, wall: float) -> Any:
 
 
 def _run(key: tuple[str, str], build: Build, entry: _Entry, method: str, args: tuple[Any, ...],
-         kwargs: dict[str, Any], new_version: int, crash: str | None, noted: Any = None) -> tuple[Any, Any, float]:
-    """`ModelWorker.<method>` -> (result, new state of an update or None, seconds)."""
+         kwargs: dict[str, Any], new_version: int, crash: str | None, noted: Any = None,
+         extra: dict[str, Any] | None = None) -> tuple[Any, Any, float]:
+    """`ModelWorker.<method>` -> (result, new state of an update or None, seconds); what a generation's
+    deduplicated prefill measured goes to `extra` (the task's stats)."""
+    extra = {} if extra is None else extra
+    kwargs = dict(kwargs)
     if crash is not None and not os.path.exists(crash):
         with open(crash, "w") as marker:
             marker.write(str(os.getpid()))
@@ -98,6 +102,9 @@ def _run(key: tuple[str, str], build: Build, entry: _Entry, method: str, args: t
             ray.get(noted)
         os._exit(1)
     began = time.perf_counter()
+    share = kwargs.pop("share", None)
+    if share is not None:  # a generation's deduplicated prefill: its prefixes, computed here or taken
+        kwargs["prefixes"], extra["prefill"] = prefill.resolve(entry.worker, args[0], share)
     task = TASKS.get(method)
     if task is not None:
         result: Any = task(entry.worker, *args, **kwargs)
@@ -127,9 +134,10 @@ def serve(key: tuple[str, str], build: Build, wanted: Mapping[str, tuple[int, Se
     wall = time.time()
     noted = _attempt(ledger, wall)
     entry, cold, start_s, load_s = _ready(key, build, wanted)
-    result, state, run_s = _run(key, build, entry, method, args, kwargs, new_version, crash, noted)
+    extra: dict[str, Any] = {}
+    result, state, run_s = _run(key, build, entry, method, args, kwargs, new_version, crash, noted, extra)
     stats = {"pid": os.getpid(), "cold": cold, "start_s": start_s, "load_s": load_s, "run_s": run_s,
-             "began": wall, "wait_s": 0.0, "prewarmed": False, "ready_first": False, "served": True}
+             "began": wall, "wait_s": 0.0, "prewarmed": False, "ready_first": False, "served": True, **extra}
     return result, stats, state
 
 
@@ -153,8 +161,9 @@ def prewarm(key: tuple[str, str], build: Build, wanted: Mapping[str, tuple[int, 
         return None, stats, None
     wanted_now, method, args, kwargs, new_version, crash = ray.get(sent[0])
     entry, _, _, newer_s = _ready(key, build, wanted_now)  # a version newer than the one loaded ahead
-    result, state, run_s = _run(key, build, entry, method, args, kwargs, new_version, crash, noted)
-    stats.update(load_s=load_s + newer_s, run_s=run_s)
+    extra: dict[str, Any] = {}
+    result, state, run_s = _run(key, build, entry, method, args, kwargs, new_version, crash, noted, extra)
+    stats.update(load_s=load_s + newer_s, run_s=run_s, **extra)
     return result, stats, state
 
 

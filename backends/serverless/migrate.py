@@ -25,6 +25,7 @@ import ray
 
 from flowrl.elastic.migrate import should_migrate
 from flowrl.engines.chunked_generation import Tail
+from flowrl.engines.prefill import Prefixes
 from flowrl.ir.attrs import GenerateAttrs
 from flowrl.runtime.batch import Batch
 from flowrl.runtime.chunks import ChunkForward, Scored, assemble, score_chunks
@@ -60,24 +61,24 @@ class Part:
 
 def generate(worker: ModelWorker, model: str, prompts: Batch, attrs: Mapping[str, Any], *, step_seed: int,
              first_prompt: int, mailbox: Any, role: Role | None = None, box: str = "",
-             inline: Sequence[ChunkForward] = ()) -> Part:
+             inline: Sequence[ChunkForward] = (), prefixes: Prefixes | None = None) -> Part:
     """This instance's part of a generation: a source (cuts at `role.tau`), the sink (`role.sources` > 0), or
     neither (`role` None). In a fused stage (backends/serverless/stream.py) it also runs `inline` forwards on its
     chunks and offers every chunk to `box`, then ("end", its chunk count) once it has finished."""
     part = _Collect(worker, mailbox, box, inline)
     if role is not None and role.sources:
-        _sink(worker, model, prompts, attrs, step_seed, first_prompt, role, part)
+        _sink(worker, model, prompts, attrs, step_seed, first_prompt, role, part, prefixes)
     elif role is not None:
         total = prompts.size * GenerateAttrs.of(attrs).n
         tails = part.drain(worker.generate_stream(model, prompts, attrs, step_seed=step_seed,
                                                   first_prompt=first_prompt, control=_Trigger(total, role.tau),
-                                                  inline=inline))
+                                                  inline=inline, prefixes=prefixes))
         tail = tails[0] if tails else None
         mailbox.offer.remote(role.box, (role.rank, None if tail is None else [ray.put(tail)]))
         part.out.moved_out = 0 if tail is None else int(tail.samples.shape[0])
     else:
         part.drain(worker.generate_stream(model, prompts, attrs, step_seed=step_seed, first_prompt=first_prompt,
-                                          inline=inline))
+                                          inline=inline, prefixes=prefixes))
     if box:  # this instance has finished, after this many chunks (an async actor may take words out of order)
         mailbox.offer.remote(box, ("end", len(part.out.chunks)))
     part.out.ended = time.time()
@@ -85,10 +86,10 @@ def generate(worker: ModelWorker, model: str, prompts: Batch, attrs: Mapping[str
 
 
 def _sink(worker: ModelWorker, model: str, prompts: Batch, attrs: Mapping[str, Any], seed: int,
-          first_prompt: int, role: Role, part: _Collect) -> None:
+          first_prompt: int, role: Role, part: _Collect, prefixes: Prefixes | None) -> None:
     inbox = _Inbox(part.mailbox, role.box, role.sources)
     stream: Iterable[Any] = worker.generate_stream(model, prompts, attrs, step_seed=seed, first_prompt=first_prompt,
-                                                   control=inbox, inline=part.inline)
+                                                   control=inbox, inline=part.inline, prefixes=prefixes)
     while True:
         own = part.drain(stream)
         if not own and inbox.heard_all:

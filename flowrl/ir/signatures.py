@@ -209,6 +209,8 @@ HTTP_REWARD_KEYS: dict[str, tuple[str, Value]] = {
 }
 REWARD_KINDS = ("http",)
 
+# serverless: who computes a prompt prefix shared across generation instances (backends/serverless/prefill.py)
+DEDUP_PREFILL = ("auto", "handover", "local", "off")
 RUN_KEYS: dict[str, tuple[str, Value]] = {
     "steps": ("int", 100),
     "seed": ("int", 0),
@@ -219,8 +221,9 @@ RUN_KEYS: dict[str, tuple[str, Value]] = {
     "cost_weight": ("float", 0.5),  # serverless: 1 buys the fastest generation, 0 the fewest device-seconds
     "prewarm": ("bool", True),  # serverless: start instances ahead of their stage, from the step history
     "prewarm_margin": ("float", 0.05),  # serverless: seconds before the stage's earliest start they are ready
-    "keep_warm": ("bool", True),
-    "migrate_at": ("float", 0.7),  # serverless: an instance hands its unfinished rows over at this fraction done  # serverless: instances keep their models in host memory between tasks
+    "keep_warm": ("bool", True),  # serverless: instances keep their models in host memory between tasks
+    "migrate_at": ("float", 0.7),  # serverless: an instance hands its unfinished rows over at this fraction done
+    "dedup_prefill": ("str", "auto"),  # serverless: a prompt prefix shared across instances runs once (DEDUP_PREFILL)
     "gpu_hour": ("float", 0.0),  # price of a device-hour, for money in the cost report (0: device-seconds only)
     "cpu_hour": ("float", 0.0),  # price of the controller's host per hour of the run
 }

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -16,6 +17,7 @@ from flowrl.algos import policy_loss, value_loss
 from flowrl.engines.chunked_generation import StreamControl, Tail, generate_stream, resume_stream
 from flowrl.engines.generation import forward_logprobs, forward_logprobs_entropy, forward_values, generate
 from flowrl.engines.incremental import IncrementalScorer
+from flowrl.engines.prefill import Prefixes, compute_prefixes
 from flowrl.engines.prefix import packed_logprobs_entropy, packed_values, shared_logprobs, shared_values
 from flowrl.engines.prompt_cache import weights_changed
 from flowrl.engines.select import Trainer, check_engine, forward_module, make_trainer
@@ -23,6 +25,7 @@ from flowrl.engines.training import all_reduce_sum, data_parallel_world
 from flowrl.ir.attrs import ForwardAttrs, GenerateAttrs, UpdateAttrs
 from flowrl.ir.graph import ModelDecl
 from flowrl.models.build import LoadedModel, ModelSpec, build_model, copy_backbone
+from flowrl.models.tokenizer import Tokenizer
 from flowrl.runtime.batch import Batch
 from flowrl.runtime.chunks import (
     ChunkForward,
@@ -36,6 +39,24 @@ from flowrl.runtime.chunks import (
 from flowrl.runtime.schedule import Turn, interleave, taking_turns
 
 ROLLOUT_KEYS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "temperature")
+
+
+@dataclass(frozen=True)
+class PromptEncoder:
+    """A model's prompt texts -> token ids: BOS first where the tokenizer has one, the prompt's end kept when
+    it leaves fewer than `max_tokens` of the model's `context` for the response."""
+
+    tokenizer: Tokenizer
+    context: int
+
+    def ids(self, texts: Sequence[str], max_tokens: int) -> list[list[int]]:
+        tok, out = self.tokenizer, []
+        for text in texts:
+            row = tok.encode(text)
+            if tok.bos_id is not None:
+                row = [tok.bos_id, *row]
+            out.append(row[-max(1, self.context - max_tokens):])
+        return out
 
 
 def model_seed(seed: int, name: str) -> int:
@@ -108,7 +129,11 @@ class ModelWorker:
                                                         dtype=str(options.get("dtype", "float32")))
 
     # ---- inference methods -------------------------------------------------------------------------
-    def generate(self, model: str, prompts: Batch, attrs: Mapping[str, Any], *, step_seed: int) -> Batch:
+    def generate(self, model: str, prompts: Batch, attrs: Mapping[str, Any], *, step_seed: int,
+                 prefixes: Prefixes | None = None) -> Batch:
+        """`prefixes`: common prompt prefixes computed once (here or on another instance, the serverless
+        backend's deduplicated prefill); the torch engine prefills only what follows them (vLLM ignores them:
+        its own prefix cache reuses a prefix within the engine)."""
         loaded = self.models[model]
         tok = loaded.tokenizer
         a = GenerateAttrs.of(attrs)
@@ -122,7 +147,7 @@ class ModelWorker:
             out = generate(
                 loaded.module, tok, ids, n=a.n, max_tokens=a.max_tokens, min_tokens=a.min_tokens,
                 temperature=a.temperature, top_p=a.top_p, generator=gen, share_prefix=a.share_prefix,
-                device=str(self.device),
+                prefixes=prefixes, device=str(self.device),
             )
         index = out.prompt_index.cpu()
         responses = [tok.decode([int(t) for t, m in zip(r, mk, strict=True) if m]) for r, mk in
@@ -141,21 +166,24 @@ class ModelWorker:
         return Batch(size, tensors, meta, primary="response_ids")
 
     def _prompt_ids(self, model: str, prompts: Batch, max_tokens: int) -> list[list[int]]:
-        tok = self.models[model].tokenizer
+        return self.prompt_encoder(model).ids(prompts.meta["prompt"], max_tokens)
+
+    def prompt_encoder(self, model: str) -> PromptEncoder:
+        """How `model`'s generation turns prompt texts into token ids (a driver that plans by tokens asks)."""
         config: Mapping[str, Any] = self.decls[model].config
-        context = int(config.get("context", 512) or 512)
-        ids = []
-        for text in prompts.meta["prompt"]:
-            row = tok.encode(text)
-            if tok.bos_id is not None:
-                row = [tok.bos_id, *row]
-            ids.append(row[-max(1, context - max_tokens):])  # keep the prompt's end if it is too long
-        return ids
+        return PromptEncoder(self.models[model].tokenizer, int(config.get("context", 512) or 512))
+
+    def compute_prefixes(self, model: str, tokens: Sequence[tuple[int, ...]]) -> Prefixes:
+        """Common prompt prefixes' keys and values under `model`'s current weights, on the host (to hand over)."""
+        with torch.inference_mode():
+            out = compute_prefixes(self.models[model].module, tokens, self.pad_id(model), self.device)
+        return out.to(torch.device("cpu"))
 
     # fuse-gen-inference: generation as a stream of finished-sample chunks (flowrl.runtime.gen_infer)
     def generate_stream(self, model: str, prompts: Batch, attrs: Mapping[str, Any], *, step_seed: int,
                         first_prompt: int = 0, control: StreamControl | None = None,
-                        inline: Sequence[ChunkForward] = ()) -> Iterator[Batch | Growing | Tail | Scored]:
+                        inline: Sequence[ChunkForward] = (),
+                        prefixes: Prefixes | None = None) -> Iterator[Batch | Growing | Tail | Scored]:
         """`generate`'s samples (same seed, same samples), handed over in chunks as they finish. With `inline`,
         this rank runs those forwards on each chunk right away, between decode steps (`Scored` items)."""
         loaded, a = self.models[model], GenerateAttrs.of(attrs)
@@ -164,7 +192,7 @@ class ModelWorker:
                                  generator=torch.Generator(device="cpu").manual_seed(step_seed),
                                  chunk=chunk_of(a), share_prefix=a.share_prefix, first_sample=first_prompt * a.n,
                                  control=control, flush=a.flush_steps, partial=a.partial_below,
-                                 device=str(self.device))
+                                 prefixes=prefixes, device=str(self.device))
         return score_chunks(self, chunk_batches(stream, loaded.tokenizer, a), inline)
 
     def resume_stream(self, model: str, tails: Sequence[Tail], attrs: Mapping[str, Any], *,

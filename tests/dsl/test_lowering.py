@@ -99,7 +99,8 @@ def test_declarations(compile_ok: Compile, in_flows: Path) -> None:
     assert g.data[0].path == str(in_flows / "data" / "arith.jsonl") and g.data[0].options["batch"] == 4
     assert dict(g.run) == {"steps": 100, "seed": 0, "checkpoint_every": 0, "device": "auto", "log_every": 10,
                           "max_staleness": 0, "cost_weight": 0.5, "prewarm": True, "prewarm_margin": 0.05,
-                          "keep_warm": True, "migrate_at": 0.7, "gpu_hour": 0.0, "cpu_hour": 0.0}
+                          "keep_warm": True, "migrate_at": 0.7, "dedup_prefill": "auto", "gpu_hour": 0.0,
+                          "cpu_hour": 0.0}
     assert g.flow == "t" and g.template is None and g.nodes == ()
 
 

@@ -9,10 +9,13 @@ import pytest
 from flowrl.elastic import (
     DecodeCurve,
     LengthPredictor,
+    PrefixShare,
     choose_instances,
     estimate,
+    hand_over,
     migration_target,
     ranked_runs,
+    share_prefixes,
     should_migrate,
     spearman,
 )
@@ -169,3 +172,22 @@ def test_prewarm_starts_a_stage_its_start_time_and_a_margin_before_its_earliest_
     assert prewarm_delay([], ready_s=0.2) is None  # no history: nothing to go by
     assert prewarm_delay([0.9, 0.5, 0.7], ready_s=0.2, margin_s=0.05) == pytest.approx(0.25)
     assert prewarm_delay([0.1], ready_s=0.2, margin_s=0.05) == 0.0  # less time than a start: at the step's start
+
+
+def test_a_prefix_on_several_instances_is_computed_by_the_first_and_taken_by_the_others() -> None:
+    # prompts 0-5 on instances 0,0,1,1,1,2; prefix 0 opens prompts 1, 2, 5 (instances 0, 1, 2), prefix 1
+    # opens prompts 3, 4 (instance 1 only)
+    groups, instance_of = [[1, 2, 5], [3, 4]], [0, 0, 1, 1, 1, 2]
+    assert share_prefixes(groups, instance_of, 3, hand_over=True) == [
+        PrefixShare(compute=(0,), offer=(0,)),
+        PrefixShare(compute=(1,), take=((0, 0),)),
+        PrefixShare(take=((0, 0),)),
+    ]
+    assert share_prefixes(groups, instance_of, 3, hand_over=False) == [  # each holder computes it once
+        PrefixShare(compute=(0,)), PrefixShare(compute=(0, 1)), PrefixShare(compute=(0,))]
+    assert share_prefixes([[0, 1]], [0, 0], 2, hand_over=True) == [PrefixShare(compute=(0,)), PrefixShare()]
+
+
+def test_hand_over_where_the_measured_transfer_costs_less_than_recomputing() -> None:
+    assert hand_over(None, None) and hand_over(0.01, None) and hand_over(None, 5.0)  # unmeasured: measure it
+    assert hand_over(0.010, 0.004) and not hand_over(0.004, 0.010) and not hand_over(0.004, 0.004)

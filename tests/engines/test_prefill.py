@@ -44,9 +44,19 @@ def _same(got: GenOutput, want: GenOutput) -> None:
 def test_generation_from_prefixes_samples_what_plain_generation_does(family: str, share: bool) -> None:
     module = _policy(family)
     want = generate(module, TOK, PROMPTS, generator=torch.Generator().manual_seed(4), share_prefix=share, **KW)
+    pre = _prefixes(module)
+    fed: list[tuple[int, ...]] = []
+    hook = module.register_forward_pre_hook(lambda _m, _a, kw: fed.append(tuple(kw["input_ids"].shape)),
+                                            with_kwargs=True)
     got = generate(module, TOK, PROMPTS, generator=torch.Generator().manual_seed(4), share_prefix=share,
-                   prefixes=_prefixes(module), **KW)
+                   prefixes=pre, **KW)
+    hook.remove()
     _same(got, want)
+    # the prefill ran the prompts' rests only: as wide as the longest prompt without its prefix
+    rests = [len(p) - len(FEW_SHOT if p[: len(FEW_SHOT)] == FEW_SHOT else SYSTEM if p[: len(SYSTEM)] == SYSTEM
+                          else []) for p in PROMPTS]
+    assert fed[0] == ((len(PROMPTS) if share else 3 * len(PROMPTS)), max(rests))
+    assert max(rests) < max(len(p) for p in PROMPTS)
     assert int(want.response_mask.sum(1).min()) < int(want.response_mask.sum(1).max())  # ragged: rows dropped
 
 

@@ -23,7 +23,8 @@ from flowrl.runtime.batch import Batch
 pytestmark = [pytest.mark.ray, pytest.mark.usefixtures("ray_session")]
 
 def numbers(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [{k: v for k, v in r.items() if not k.startswith(("time/", "cost/", "async/", "scale/", "migrate/", "fusion/"))
+    return [{k: v for k, v in r.items() if not k.startswith(("time/", "cost/", "async/", "scale/", "migrate/", "fusion/",
+                                                               "prefill/"))
              and k not in ("step_time_s", "tokens_per_s")} for r in rows]
 
 
@@ -316,3 +317,34 @@ def test_a_forward_instance_takes_every_chunk_even_when_the_end_comes_first(tmp_
     outs, spans, busy = stream.consume(worker, [fwd], box="s", producers=1, mailbox=mailbox)
     got = sorted(int(s) for _, samples in outs["old"] for s in samples)
     assert got == sorted(int(s) for c in chunks for s in c["sample"]) and busy > 0 and "old" in spans
+
+
+def _preamble_grpo(split_grpo: Callable[..., Graph], tmp_path: Path, dedup: str) -> Graph:
+    """The long split GRPO flow on two generation instances, every prompt opening with the same 15 characters
+    (16 tokens with BOS: the share-prefix pass's minimum), so prompts on both instances share a prefix."""
+    _long_grpo(split_grpo, tmp_path, f', migrate_at = 1.0, dedup_prefill = "{dedup}"', gen="2")
+    rows = [{"prompt": f"12+34+56+78+90={a}+{b}=", "answer": a + b} for a in range(4) for b in range(4)]
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return flowrl.load(str(tmp_path / "f.flow"))
+
+
+def test_a_prefix_shared_across_instances_is_prefilled_once_and_handed_over(tmp_path: Path,
+                                                                           split_grpo: Callable[..., Graph]) -> None:
+    """dedup_prefill "handover": the first instance computes the common prefix once a step and offers its keys
+    and values, the other takes them; "local": each instance computes it once for its prompts; "off": every
+    prompt prefills it. The samples are the same (float rounding) in all three."""
+    from flowrl.backends.serverless import ServerlessBackend
+
+    runs = {mode: flowrl.run(_preamble_grpo(split_grpo, tmp_path, mode), out_dir=tmp_path / mode,
+                             backend=ServerlessBackend(ablate={"scale"})) for mode in ("handover", "local", "off")}
+    for row in runs["handover"].metrics:
+        assert row["prefill/gen/prefixes"] == 1.0 and row["prefill/gen/handover"] == 1.0
+        assert row["prefill/gen/computed_tokens"] == 16.0  # once, by the owner
+        assert row["prefill/gen/handover_tokens"] == 16.0 and row["prefill/gen/handover_bytes"] > 0
+        assert row["prefill/gen/saved_tokens"] == 4 * 16 - 16  # four prompts a step, one computation
+    for row in runs["local"].metrics:
+        assert row["prefill/gen/handover"] == 0.0 and row["prefill/gen/handover_tokens"] == 0.0
+        assert row["prefill/gen/computed_tokens"] == 2 * 16  # once on each instance
+    assert all(not any(k.startswith("prefill/") for k in row) for row in runs["off"].metrics)
+    _same(numbers(runs["handover"].metrics), numbers(runs["off"].metrics))
+    _same(numbers(runs["local"].metrics), numbers(runs["off"].metrics))

@@ -105,3 +105,12 @@ def test_a_negative_prewarm_margin_is_a_located_error(tmp_path: Path) -> None:
     with pytest.raises(flowrl.FlowError) as e:
         flowrl.load(str(tmp_path / "f.flow"))
     assert e.value.render().startswith(f"{tmp_path / 'f.flow'}:14:24: error: `prewarm_margin` must be at least 0\n")
+
+
+def test_an_unknown_dedup_prefill_is_a_located_error(tmp_path: Path) -> None:
+    (tmp_path / "data.jsonl").write_text(json.dumps({"prompt": "1+1=", "answer": 2}) + "\n")
+    (tmp_path / "f.flow").write_text(FLOW.replace("run { steps = 3, seed = 2 }", 'run { dedup_prefill = "once" }'))
+    with pytest.raises(flowrl.FlowError) as e:
+        flowrl.load(str(tmp_path / "f.flow"))
+    assert e.value.render().startswith(
+        f"{tmp_path / 'f.flow'}:14:23: error: `dedup_prefill` must be one of auto, handover, local, off\n")

@@ -1,0 +1,159 @@
+"""Deduplicated prefill on serverless generation instances (RLHFless; issue 15 item 4).
+
+The driver tokenizes a generation's prompts (with the pool's `PromptEncoder`, fetched once) and finds the
+prefixes they share (flowrl.engines.trie, at least the share-prefix pass's `prefix_min_len` tokens, over the
+whole step, not one instance's shard). flowrl.elastic.prefill decides who computes what: a prefix is computed
+by the first instance holding its prompts (its owner), which offers it to the generation's box when other
+instances take it; the others take it or compute it themselves, as the measured handover and recompute times
+say (`run { dedup_prefill = "auto" }`; "handover" and "local" force one side, "off" prefills every prompt whole).
+Every instance then prefills only its prompts' rests (flowrl.engines.prefill), so the samples are the same.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+
+from flowrl.elastic.prefill import hand_over, share_prefixes
+from flowrl.engines.prefill import Prefixes, merge
+from flowrl.engines.trie import plan_of
+from flowrl.runtime.worker import ModelWorker, PromptEncoder
+
+UNMEASURED_PATIENCE_S = 1.0  # how long a taker waits for an owner before the recompute time is measured
+Tokens = tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Share:
+    """An instance's part: the prefixes it computes, those of them it offers to `box` (others take them), and
+    the prefixes it takes from each owner (by the owner's rank)."""
+
+    box: str
+    rank: int
+    mailbox: Any
+    compute: tuple[Tokens, ...] = ()
+    offer: tuple[Tokens, ...] = ()
+    take: tuple[tuple[int, tuple[Tokens, ...]], ...] = ()
+    patience_s: float | None = None  # the longest a taker waits for an owner before computing the prefixes itself
+
+
+@dataclass
+class Measured:
+    """What the driver learned from the instances: seconds per computed prefix token, and per handover."""
+
+    rate_s: float | None = None
+    handover_s: float | None = None
+
+    def learn(self, stats: Sequence[Mapping[str, float]]) -> None:
+        computed = [s for s in stats if s.get("prefill_tokens")]
+        if computed:
+            rate = sum(s["prefill_s"] for s in computed) / sum(s["prefill_tokens"] for s in computed)
+            self.rate_s = rate if self.rate_s is None else 0.5 * self.rate_s + 0.5 * rate
+        taken = [s["handover_s"] for s in stats if s.get("handover_tokens")]
+        if taken:
+            mean = sum(taken) / len(taken)
+            self.handover_s = mean if self.handover_s is None else 0.5 * self.handover_s + 0.5 * mean
+
+
+def plan_shares(encoder: PromptEncoder, texts: Sequence[str], max_tokens: int, min_len: int,
+                sizes: Sequence[int], mode: str, measured: Measured, box: str,
+                mailbox: Any) -> tuple[list[Share], dict[str, float]]:
+    """Each instance's `Share` of a generation over `sizes` prompts an instance (in order), and what was
+    decided (for the step's metrics)."""
+    ids = [tuple(row) for row in encoder.ids(texts, max_tokens)]
+    unique = sorted(set(ids))
+    index = {p: u for u, p in enumerate(unique)}
+    groups = plan_of(unique, [], min_len).groups
+    instance_of = [i for i, size in enumerate(sizes) for _ in range(size)]
+    in_group = {u: g for g, (_, m) in enumerate(groups) for u in m}
+    members: list[list[int]] = [[] for _ in groups]
+    for p, row in enumerate(ids):
+        if index[row] in in_group:
+            members[in_group[index[row]]].append(p)
+    prefixes = [unique[m[0]][:length] for length, m in groups]
+    taken = [length for (length, _), held in zip(groups, members, strict=True)
+             for _ in range(len({instance_of[p] for p in held}) - 1)]  # one per instance other than the owner
+    recompute = None if measured.rate_s is None or not taken else measured.rate_s * sum(taken) / len(taken)
+    handing = mode == "handover" or (mode == "auto" and hand_over(recompute, measured.handover_s))
+    # "handover" waits for the owner however long it takes; "auto" no longer than recomputing is expected to take
+    patience = None if mode == "handover" else recompute if recompute is not None else UNMEASURED_PATIENCE_S
+    shares = share_prefixes(members, instance_of, len(sizes), handing)
+    out = [Share(box, rank, mailbox, tuple(prefixes[g] for g in s.compute), tuple(prefixes[g] for g in s.offer),
+                 tuple((owner, tuple(prefixes[g] for g, o in s.take if o == owner))
+                       for owner in sorted({o for _, o in s.take})), patience)
+           for rank, s in enumerate(shares)]
+    decided = {"prefixes": float(len(groups)), "handover": float(handing and bool(taken)),
+               "prompt_tokens": float(sum(len(r) for r in ids)),
+               "grouped_tokens": float(sum(len(held) * length
+                                           for (length, _), held in zip(groups, members, strict=True)))}
+    if recompute is not None:
+        decided["recompute_est_s"] = recompute
+    if measured.handover_s is not None:
+        decided["handover_est_s"] = measured.handover_s
+    return out, decided
+
+
+def resolve(worker: ModelWorker, model: str, share: Share) -> tuple[Prefixes | None, dict[str, float]]:
+    """On the instance: compute its prefixes (offering those others take), take the rest from their owners
+    -> (all of them, for the engine; timings and sizes for the driver). An owner's word that has not come
+    within `share.patience_s` (what computing its prefixes here is expected to cost) is not waited for: the
+    instance computes those prefixes itself (a slow owner, or one still waiting for a device, never holds the
+    others up for longer than that)."""
+    stats = {"prefill_s": 0.0, "prefill_tokens": 0.0, "handover_s": 0.0, "handover_tokens": 0.0,
+             "handover_bytes": 0.0, "handover_missed": 0.0}
+    parts: list[Prefixes] = []
+    if share.compute:
+        own = _compute(worker, model, share.compute, stats)
+        if share.offer:
+            offered = own.select([share.compute.index(t) for t in share.offer])
+            share.mailbox.offer.remote(share.box, (share.rank, [ray.put(offered)]))
+        parts.append(own)
+    if share.take:
+        began = time.perf_counter()
+        got = _take(share, None if share.patience_s is None else began + share.patience_s)
+        missed: list[Tokens] = []
+        for owner, wanted in share.take:
+            have = got.get(owner)
+            if have is None:
+                missed.extend(wanted)
+            else:
+                parts.append(have.select([have.tokens.index(t) for t in wanted]))
+                stats["handover_tokens"] += float(sum(len(t) for t in wanted))
+                stats["handover_bytes"] += float(have.nbytes)
+        if missed:
+            parts.append(_compute(worker, model, tuple(missed), stats))
+            stats["handover_missed"] = float(len(missed))
+        stats["handover_s"] = time.perf_counter() - began
+    return merge(parts), stats
+
+
+def _compute(worker: ModelWorker, model: str, tokens: tuple[Tokens, ...], stats: dict[str, float]) -> Prefixes:
+    began = time.perf_counter()
+    out = worker.compute_prefixes(model, tokens)
+    stats["prefill_s"] += time.perf_counter() - began
+    stats["prefill_tokens"] += float(sum(len(t) for t in tokens))
+    return out
+
+
+def _take(share: Share, deadline: float | None) -> dict[int, Prefixes]:
+    """The owners' words that come before `deadline` (None: all of them; a retried owner may offer twice: the
+    first counts)."""
+    owners = {owner for owner, _ in share.take}
+    got: dict[int, Prefixes] = {}
+    since = 0
+    while not owners <= set(got):
+        pending = share.mailbox.take_all.remote(share.box, since)
+        left = None if deadline is None else max(0.0, deadline - time.perf_counter())
+        ready, _ = ray.wait([pending], timeout=left)
+        if not ready:
+            break
+        words = ray.get(pending)
+        since += len(words)
+        for rank, ref in words:
+            if rank in owners and rank not in got:
+                got[rank] = ray.get(ref[0])
+    return got
