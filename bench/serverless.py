@@ -11,8 +11,8 @@ both: one instance per pool draws with rank 0's seed, as the Ray backend does).
 
 `--curve`: the same workload with the generation pool elastic at 1..2 instances (the Ray backend's fixed pool
 at 2), serverless at cost_weight (lambda) 0, 0.5 and 1, and at 0.5 with each of the mechanisms switched off one
-at a time (ServerlessBackend(ablate=...): length prediction, length-ranked assignment, cut-and-migrate, the
-cost-aware count); configurations alternate in order within each round, reversed every other round.
+at a time (ServerlessBackend(ablate=...): length prediction, length-ranked assignment, the deduplicated prefill,
+cut-and-migrate, the cost-aware count); configurations alternate in order within each round, reversed every other round.
 
     python bench/serverless.py --curve --rounds 2 --steps 12
 
@@ -25,6 +25,7 @@ generation time, held device-seconds, prefix tokens computed and saved a step, a
 handover seconds (per instance and step).
 
     python bench/serverless.py --dedup --rounds 3 --steps 12
+    python bench/serverless.py --dedup --rounds 2 --steps 10 --preamble 240   # a longer shared opening
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ CURVE = [("ray (fixed pools)", "ray", 0.5, ()), ("serverless lambda 0", "serverl
          ("serverless lambda 0.5", "serverless", 0.5, ()), ("serverless lambda 1", "serverless", 1.0, ()),
          ("lambda 0.5, no prediction", "serverless", 0.5, ("predict",)),
          ("lambda 0.5, no ranked assignment", "serverless", 0.5, ("assign",)),
+         ("lambda 0.5, no deduplicated prefill", "serverless", 0.5, ("dedup",)),
          ("lambda 0.5, no migration", "serverless", 0.5, ("migrate",)),
          ("lambda 0.5, no cost-aware count", "serverless", 0.5, ("scale",))]
 
@@ -108,11 +110,24 @@ def curve(args: argparse.Namespace) -> None:
 DEDUP = ("off", "local", "handover", "auto")
 
 
+def preamble_data(out: Path, chars: int) -> Path:
+    """examples/data/longtail.jsonl with its shared 15-character opening made `chars` characters long."""
+    system = "12+34+56+78+90="
+    longer = (system * (chars // len(system) + 1))[:chars]
+    rows = [json.loads(line) for line in (FLOW.parent / "data" / "longtail.jsonl").read_text().splitlines()]
+    path = out / f"longtail_preamble_{chars}.jsonl"
+    path.write_text("".join(json.dumps({**r, "prompt": longer + r["prompt"][len(system):]}) + "\n" for r in rows))
+    return path
+
+
 def dedup(args: argparse.Namespace) -> None:
     from flowrl.backends.serverless import ServerlessBackend
 
-    out = Path(args.out) / "dedup"
+    out = Path(args.out) / f"dedup_{args.preamble}"
     elastic = flow_file(out, "gpus = 1..2, elastic = true")
+    if args.preamble != 15:
+        data = preamble_data(out, args.preamble)
+        elastic.write_text(elastic.read_text().replace(str(FLOW.parent / "data" / "longtail.jsonl"), str(data)))
     rows = []
     for r in range(args.rounds):
         for mode in (DEDUP if r % 2 == 0 else DEDUP[::-1]):
@@ -154,6 +169,7 @@ def main() -> None:
     p.add_argument("--out", default=str(ROOT / "bench" / "out" / "serverless"))
     p.add_argument("--curve", action="store_true", help="the lambda curve and the ablation (see above)")
     p.add_argument("--dedup", action="store_true", help="the deduplicated prefill's modes (see above)")
+    p.add_argument("--preamble", type=int, default=15, help="--dedup: characters every prompt opens with")
     args = p.parse_args()
     if args.curve:
         curve(args)

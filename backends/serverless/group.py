@@ -203,7 +203,7 @@ class ServerlessGroup:
         self.pads = {m: int(self.call("pad_id", m, dispatch="rank0").result()) for m in self.models}
         if self.policy.dedup != "off":
             self.encoders = {m.name: self.call("prompt_encoder", m.name, dispatch="rank0").result()
-                             for m in self.build.models if m.role == "policy" and m.engine == "torch"}
+                             for m in self.build.models if m.role == "policy" and m.engine != "vllm"}
 
     # ---- the WorkerGroup protocol --------------------------------------------------------------------
     def call(self, method: str, *args: Any, dispatch: str = "split", **kwargs: Any) -> Future:

@@ -53,7 +53,8 @@ class Measured:
         if computed:
             rate = sum(s["prefill_s"] for s in computed) / sum(s["prefill_tokens"] for s in computed)
             self.rate_s = rate if self.rate_s is None else 0.5 * self.rate_s + 0.5 * rate
-        taken = [s["handover_s"] for s in stats if s.get("handover_tokens")]
+        # a taker that gave up on its owner measured its wait plus its own computing: what handing over cost
+        taken = [s["handover_s"] for s in stats if s.get("handover_tokens") or s.get("handover_missed")]
         if taken:
             mean = sum(taken) / len(taken)
             self.handover_s = mean if self.handover_s is None else 0.5 * self.handover_s + 0.5 * mean

@@ -348,3 +348,37 @@ def test_a_prefix_shared_across_instances_is_prefilled_once_and_handed_over(tmp_
     assert all(not any(k.startswith("prefill/") for k in row) for row in runs["off"].metrics)
     _same(numbers(runs["handover"].metrics), numbers(runs["off"].metrics))
     _same(numbers(runs["local"].metrics), numbers(runs["off"].metrics))
+
+
+def test_the_prefill_plan_shares_a_prefix_across_the_step_and_learns_from_misses() -> None:
+    """Driver side: prompts opening with one preamble on three instances -> the first computes it and offers it,
+    the others take it; "local": each computes it; "auto" keeps handing over while the measured handover is
+    cheaper than recomputing, and stops once it is not (a taker that gave up on its owner counts as its wait)."""
+    from flowrl.backends.serverless import prefill
+    from flowrl.models.tokenizer import CharTokenizer
+    from flowrl.runtime.worker import PromptEncoder
+
+    encoder = PromptEncoder(CharTokenizer("0123456789+="), 512)
+    texts = ["12+34+56+78+90=" + q for q in ("1+1=", "2+2=", "3+3=", "4+4=", "5+")] + ["7=", "8="]
+    sizes = [2, 2, 3]  # the last instance also holds two prompts without the preamble
+    measured = prefill.Measured()
+    shares, decided = prefill.plan_shares(encoder, texts, 8, 16, sizes, "handover", measured, "b", None)
+    pre = tuple(encoder.ids(texts[:1], 8)[0][:16])  # BOS and the 15 characters
+    assert [(s.compute, s.offer, s.take) for s in shares] == [((pre,), (pre,), ()), ((), (), ((0, (pre,)),)),
+                                                              ((), (), ((0, (pre,)),))]
+    assert decided["grouped_tokens"] == 5 * 16 and decided["handover"] == 1.0
+    shares, _ = prefill.plan_shares(encoder, texts, 8, 16, sizes, "local", measured, "b", None)
+    assert [(s.compute, s.take) for s in shares] == [((pre,), ()), ((pre,), ()), ((pre,), ())]
+
+    def stats(prefill_s: float = 0.0, handover_s: float = 0.0, missed: float = 0.0) -> dict[str, float]:
+        return {"prefill_s": prefill_s, "prefill_tokens": 16.0 if prefill_s else 0.0, "handover_s": handover_s,
+                "handover_tokens": 16.0 if handover_s and not missed else 0.0, "handover_missed": missed}
+
+    measured.learn([stats(prefill_s=0.016), stats(handover_s=0.004)])  # 1 ms a token; handed over in 4 ms
+    shares, decided = prefill.plan_shares(encoder, texts, 8, 16, sizes, "auto", measured, "b", None)
+    assert decided == {**decided, "handover": 1.0, "recompute_est_s": pytest.approx(0.016)}
+    assert shares[1].take and shares[1].patience_s == pytest.approx(0.016)  # never waits longer than recomputing
+    measured.learn([stats(prefill_s=0.016), stats(handover_s=0.060, missed=1.0)])  # gave up, then computed it
+    shares, decided = prefill.plan_shares(encoder, texts, 8, 16, sizes, "auto", measured, "b", None)
+    assert decided["handover"] == 0.0 and decided["handover_est_s"] == pytest.approx(0.032)
+    assert [s.take for s in shares] == [(), (), ()]
