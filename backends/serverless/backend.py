@@ -82,7 +82,9 @@ class ServerlessBackend:
             decl = pools.get(wg.pool or "")
             upper = (decl.gpus.hi if isinstance(decl.gpus, Range) else int(decl.gpus)) if decl is not None else total
             size = upper if joined and decl is not None else min(upper, total)
-            build = Build(tuple(graph.model(m) for m in wg.models), graph.models, seed, device, keep_warm)
+            trains = tuple(sorted({str(n.model) for n in graph.nodes if n.op == "update"
+                                   and n.worker_group == wg.name}))
+            build = Build(tuple(graph.model(m) for m in wg.models), graph.models, seed, device, keep_warm, trains)
             self.groups[wg.name] = ServerlessGroup(wg.name, wg.pool, build, max(1, size), run,
                                                    crash_on_call=self.crash_on_call.get(wg.name),
                                                    policy=policy, mailbox=mailbox)

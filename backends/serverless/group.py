@@ -239,20 +239,20 @@ class ServerlessGroup:
             tokens.append(token)
         if method in dispatch.UPDATES:
             trained = [args[0]] if isinstance(args[0], str) else list(args[0])
-            for m in trained:  # the new version: the update's third result ({model: state}), kept in the store
-                self.state[m] = (new, [refs[0][2], m])
+            for m in trained:  # the new version: the update's weights and optimizer state, kept in the store
+                self.state[m] = (new, [refs[0][2], m, refs[0][3]])
         return ServerlessFuture(self, plan, refs, order, choice, first, boxes, migrating, tokens)
 
     def _submit(self, warm: list[Warm], wanted: Mapping[str, Any], how: str, args: tuple[Any, ...],
                 kw: Mapping[str, Any], new: int = 0, lost: str | None = None) -> tuple[list[ray.ObjectRef], str]:
-        """One instance task (a pre-warmed instance from `warm`, if any is left) -> (its 3 results, its token)."""
+        """One instance task (a pre-warmed instance from `warm`, if any is left) -> (its 4 results, its token)."""
         if warm:  # a pre-warmed instance takes the call from its box
             w = warm.pop()
             self.mailbox.put.remote(w.box, [ray.put((dict(wanted), how, args, dict(kw), new, lost))])
             return w.refs, w.box
         token = f"{self.key[0]}/{self.name}/task-{next(self.boxes)}"
         ledger = (self.mailbox, token) if self.mailbox is not None else None
-        refs = remote_serve.options(num_cpus=self.cpus, resources={SLOT: 1}, num_returns=3).remote(
+        refs = remote_serve.options(num_cpus=self.cpus, resources={SLOT: 1}, num_returns=4).remote(
             self.key, self.build, dict(wanted), how, args, dict(kw), new, lost, ledger)
         return list(refs), token
 
@@ -465,7 +465,7 @@ class ServerlessGroup:
             wanted = {m: self.state[m] for m in self.models}
             for _ in range(n):
                 box = f"{self.key[0]}/{self.name}/{next(self.boxes)}"
-                started: Any = remote_prewarm.options(num_cpus=self.cpus, resources={SLOT: 1}, num_returns=3).remote(
+                started: Any = remote_prewarm.options(num_cpus=self.cpus, resources={SLOT: 1}, num_returns=4).remote(
                     self.key, self.build, wanted, self.mailbox, box)
                 self.warm.append(Warm(box, list(started)))
 

@@ -2,15 +2,18 @@
 
 Tasks run on Ray worker processes that are kept and reused (`max_calls=0`), and each process keeps the
 `ModelWorker`s it built in `_CACHE`, keyed by (run, worker group), with the version of each model's weights it
-holds. A task names the versions it needs (`wanted`: model -> (version, [object ref] — or [ref, model] for an
-update's result, which holds every model it trained — or [] for the weights every instance builds from the
-seed)); a process already holding them starts at once (a warm start), one that
+holds. A task names the versions it needs (`wanted`: model -> (version, [object ref] — or [ref, model, ref] for
+an update's results, which hold every model it trained, its weights and its optimizer's state apart — or [] for
+the weights every instance builds from the seed)); a process already holding them starts at once (a warm
+start), one that
 holds older weights loads them from the object store first, and a new process builds its models first (a cold
 start). The state of a pool lives in the object store between tasks, so any process can serve any call, and a
 pool with no work holds no slot (scale to zero). An instance lost mid-call is replaced by Ray's task retry: the
 call runs again on another process (a cold start in the cost report) with the same versions and seeds, so it
-returns what the lost one would have. An update returns its models' new state as a third result,
-which stays in the object store (`num_returns=3`): the driver keeps only its reference.
+returns what the lost one would have. An update returns its models' new weights and their optimizer state as
+a third and a fourth result, which stay in the object store (`num_returns=4`): the driver keeps only their
+references. Only a group that trains a model (`Build.trains`) loads its optimizer state: a generation pool
+loads the weights alone (a third of the bytes with Adam).
 
 A pre-warmed instance (`prewarm`) is a task started before its stage, from the step history: it builds and
 loads its models, then waits (holding its slot, idle) for the call in its `Mailbox` box, and serves it as
@@ -46,6 +49,7 @@ class Build:
     seed: int
     device: str
     keep_warm: bool = True  # keep the built models in the process between tasks
+    trains: tuple[str, ...] = ()  # the models this group updates (the others' optimizer state is not loaded)
 
 
 @dataclass
@@ -75,8 +79,12 @@ def _ready(key: tuple[str, str], build: Build,
         if entry.versions.get(model) != version:
             if not holder:
                 raise RuntimeError(f"{model}: version {version} wanted, none to load")
-            state = ray.get(holder[0])  # a model's state, or an update's {model: state} and the model's name
-            entry.worker.load_state_dict({model: state[holder[1]] if len(holder) > 1 else state})
+            state = ray.get(holder[0])  # a model's state, or an update's {model: weights} and the model's name
+            if len(holder) > 1:
+                state = state[holder[1]]
+            if len(holder) > 2 and model in build.trains:  # and the update's {model: optimizer state}
+                state = {**state, "optim": ray.get(holder[2])[model]}
+            entry.worker.load_state_dict({model: state})
             entry.versions[model] = version
     return entry, cold, built - began, time.perf_counter() - built
 
@@ -90,9 +98,9 @@ def _attempt(ledger: tuple[Any, str] | None, wall: float) -> Any:
 
 def _run(key: tuple[str, str], build: Build, entry: _Entry, method: str, args: tuple[Any, ...],
          kwargs: dict[str, Any], new_version: int, crash: str | None, noted: Any = None,
-         extra: dict[str, Any] | None = None) -> tuple[Any, Any, float]:
-    """`ModelWorker.<method>` -> (result, new state of an update or None, seconds); what a generation's
-    deduplicated prefill measured goes to `extra` (the task's stats)."""
+         extra: dict[str, Any] | None = None) -> tuple[Any, tuple[Any, Any], float]:
+    """`ModelWorker.<method>` -> (result, an update's new ({model: weights}, {model: optimizer state}) or (None,
+    None), seconds); what a generation's deduplicated prefill measured goes to `extra` (the task's stats)."""
     extra = {} if extra is None else extra
     kwargs = dict(kwargs)
     if crash is not None and not os.path.exists(crash):
@@ -111,11 +119,12 @@ def _run(key: tuple[str, str], build: Build, entry: _Entry, method: str, args: t
     else:
         result = getattr(entry.worker, method)(*args, **kwargs)
     took = time.perf_counter() - began
-    state = None
+    state: tuple[Any, Any] = (None, None)
     if method in UPDATES:
         trained = [args[0]] if isinstance(args[0], str) else list(args[0])
         full = entry.worker.state_dict()
-        state = {m: full[m] for m in trained}
+        state = ({m: {"module": full[m]["module"], "optim": None} for m in trained},
+                 {m: full[m]["optim"] for m in trained})
         for m in trained:
             entry.versions[m] = new_version
     if not build.keep_warm:
@@ -125,8 +134,9 @@ def _run(key: tuple[str, str], build: Build, entry: _Entry, method: str, args: t
 
 def serve(key: tuple[str, str], build: Build, wanted: Mapping[str, tuple[int, Sequence[Any]]], method: str,
           args: tuple[Any, ...], kwargs: dict[str, Any], new_version: int,
-          crash: str | None = None, ledger: tuple[Any, str] | None = None) -> tuple[Any, dict[str, Any], Any]:
-    """Run `ModelWorker.<method>` with the weights `wanted` names -> (result, stats, new state or None).
+          crash: str | None = None, ledger: tuple[Any, str] | None = None) -> tuple[Any, dict[str, Any], Any, Any]:
+    """Run `ModelWorker.<method>` with the weights `wanted` names -> (result, stats, an update's new weights and
+    optimizer state, or None and None).
 
     `crash` (tests only): a file path; the first attempt that finds no file there creates it and kills this
     process before running the method, as a machine lost mid-call would (Ray re-runs the task elsewhere).
@@ -138,14 +148,14 @@ def serve(key: tuple[str, str], build: Build, wanted: Mapping[str, tuple[int, Se
     result, state, run_s = _run(key, build, entry, method, args, kwargs, new_version, crash, noted, extra)
     stats = {"pid": os.getpid(), "cold": cold, "start_s": start_s, "load_s": load_s, "run_s": run_s,
              "began": wall, "wait_s": 0.0, "prewarmed": False, "ready_first": False, "served": True, **extra}
-    return result, stats, state
+    return result, stats, state[0], state[1]
 
 
 def prewarm(key: tuple[str, str], build: Build, wanted: Mapping[str, tuple[int, Sequence[Any]]],
-            mailbox: Any, box: str) -> tuple[Any, dict[str, Any], Any]:
+            mailbox: Any, box: str) -> tuple[Any, dict[str, Any], Any, Any]:
     """A pre-warmed instance: build and load now, then wait for the call put in `box` ([ref to (wanted, method,
     args, kwargs, new_version, crash)], or None: not needed after all) and serve it -> what `serve` returns
-    (None, stats, None when not needed). Taking from the box does not empty it, so a retried attempt of a lost
+    (None, stats, None, None when not needed). Taking from the box does not empty it, so a retried attempt of a lost
     instance finds the same call."""
     wall = time.time()
     noted = _attempt((mailbox, box), wall)
@@ -158,13 +168,13 @@ def prewarm(key: tuple[str, str], build: Build, wanted: Mapping[str, tuple[int, 
     if sent is None:
         if not build.keep_warm:
             _CACHE.pop(key, None)
-        return None, stats, None
+        return None, stats, None, None
     wanted_now, method, args, kwargs, new_version, crash = ray.get(sent[0])
     entry, _, _, newer_s = _ready(key, build, wanted_now)  # a version newer than the one loaded ahead
     extra: dict[str, Any] = {}
     result, state, run_s = _run(key, build, entry, method, args, kwargs, new_version, crash, noted, extra)
     stats.update(load_s=load_s + newer_s, run_s=run_s, **extra)
-    return result, stats, state
+    return result, stats, state[0], state[1]
 
 
 class Mailbox:

@@ -253,10 +253,10 @@ def generate_stream(module: nn.Module, tokenizer: Tokenizer, prompts: Sequence[S
                     first_sample: int = 0, control: StreamControl | None = None, flush: int = 0,
                     partial: float = 0.0, prefixes: Prefixes | None = None,
                     device: str | torch.device = "cpu") -> Iterator[GenChunk | Tail]:
-    """`generate(...)` as a stream (`prefixes` as there): finished samples in chunks of about `chunk` (and, with `flush`, whatever
-    finished once `flush` decode steps passed since the last hand-over), or a `Tail` when exported. With
-    `partial` (a fraction of the rows), unfinished rows' responses so far go out every `flush` steps once at
-    most that fraction is still decoding."""
+    """`generate(...)` as a stream (`prefixes` as there): finished samples in chunks of about `chunk` (and,
+    with `flush`, whatever finished once `flush` decode steps passed since the last hand-over), or a `Tail` when
+    exported. With `partial` (a fraction of the rows), unfinished rows' responses so far go out every `flush`
+    steps once at most that fraction is still decoding."""
     s = sampling
     check_sampling_args(prompts, n, s.max_tokens, s.min_tokens, s.temperature, s.top_p)
     dev = torch.device(device)

@@ -382,3 +382,22 @@ def test_the_prefill_plan_shares_a_prefix_across_the_step_and_learns_from_misses
     shares, decided = prefill.plan_shares(encoder, texts, 8, 16, sizes, "auto", measured, "b", None)
     assert decided["handover"] == 0.0 and decided["handover_est_s"] == pytest.approx(0.032)
     assert [s.take for s in shares] == [(), (), ()]
+
+
+def test_only_a_group_that_trains_a_model_loads_its_optimizer_state(split_grpo: Callable[..., Graph],
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """An update's weights and optimizer state are two objects; an instance of the group that trains the model
+    loads both (its next update continues the optimizer), a generation instance the weights alone."""
+    from flowrl.backends.serverless import instance
+    from flowrl.runtime.worker import ModelWorker
+
+    graph = split_grpo()
+    given: list[Any] = []
+    monkeypatch.setattr(ModelWorker, "load_state_dict", lambda self, state: given.append(state["actor"]))
+    weights = ray.put({"actor": {"module": {"w": torch.ones(2)}, "optim": None}})
+    optim = ray.put({"actor": {"state": {"exp_avg": torch.zeros(2)}}})
+    for trains, expect in (((), None), (("actor",), {"state": {"exp_avg": torch.zeros(2)}})):
+        build = Build((graph.model("actor"),), graph.models, 0, "cpu", trains=trains)
+        instance._ready(("t", f"g{len(given)}"), build, {"actor": (7, [weights, "actor", optim])})
+        assert str(given[-1]["optim"]) == str(expect) and torch.equal(given[-1]["module"]["w"], torch.ones(2))
+    instance._CACHE.clear()
