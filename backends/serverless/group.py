@@ -28,6 +28,7 @@ import torch
 
 from flowrl.backends.serverless import migrate, prefill, stream
 from flowrl.backends.serverless.instance import SLOT, Build, remote_prewarm, remote_serve
+from flowrl.backends.serverless.transport import pack
 from flowrl.elastic.assign import ranked_runs
 from flowrl.elastic.predict import LengthPredictor
 from flowrl.elastic.prewarm import prewarm_delay
@@ -441,7 +442,7 @@ class ServerlessGroup:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         for m, s in state.items():
             if m in self.state:
-                self.state[m] = (next(VERSIONS), [ray.put(s)])
+                self.state[m] = (next(VERSIONS), [ray.put(pack(s))])
 
     # ---- pre-warming from the step history -------------------------------------------------------------
     def begin_step(self, began: float) -> None:

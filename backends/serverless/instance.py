@@ -13,7 +13,7 @@ call runs again on another process (a cold start in the cost report) with the sa
 returns what the lost one would have. An update returns its models' new weights and their optimizer state as
 a third and a fourth result, which stay in the object store (`num_returns=4`): the driver keeps only their
 references. Only a group that trains a model (`Build.trains`) loads its optimizer state: a generation pool
-loads the weights alone (a third of the bytes with Adam).
+loads the weights alone (a third of the bytes with Adam). States travel as numpy arrays (transport.py).
 
 A pre-warmed instance (`prewarm`) is a task started before its stage, from the step history: it builds and
 loads its models, then waits (holding its slot, idle) for the call in its `Mailbox` box, and serves it as
@@ -33,6 +33,7 @@ from typing import Any
 import ray
 
 from flowrl.backends.serverless import migrate, prefill, stream
+from flowrl.backends.serverless.transport import pack, unpack
 from flowrl.ir.graph import ModelDecl
 from flowrl.runtime.dispatch import UPDATES
 from flowrl.runtime.worker import ModelWorker
@@ -80,10 +81,9 @@ def _ready(key: tuple[str, str], build: Build,
             if not holder:
                 raise RuntimeError(f"{model}: version {version} wanted, none to load")
             state = ray.get(holder[0])  # a model's state, or an update's {model: weights} and the model's name
-            if len(holder) > 1:
-                state = state[holder[1]]
+            state = unpack(state[holder[1]] if len(holder) > 1 else state)
             if len(holder) > 2 and model in build.trains:  # and the update's {model: optimizer state}
-                state = {**state, "optim": ray.get(holder[2])[model]}
+                state = {**state, "optim": unpack(ray.get(holder[2])[model])}
             entry.worker.load_state_dict({model: state})
             entry.versions[model] = version
     return entry, cold, built - began, time.perf_counter() - built
@@ -123,8 +123,8 @@ def _run(key: tuple[str, str], build: Build, entry: _Entry, method: str, args: t
     if method in UPDATES:
         trained = [args[0]] if isinstance(args[0], str) else list(args[0])
         full = entry.worker.state_dict()
-        state = ({m: {"module": full[m]["module"], "optim": None} for m in trained},
-                 {m: full[m]["optim"] for m in trained})
+        state = ({m: {"module": pack(full[m]["module"]), "optim": None} for m in trained},
+                 {m: pack(full[m]["optim"]) for m in trained})
         for m in trained:
             entry.versions[m] = new_version
     if not build.keep_warm:
