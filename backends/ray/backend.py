@@ -91,7 +91,7 @@ class RayBackend:
 
     def snapshot(self, model: str, group: str) -> Any:
         """Rank 0's weights of `model` in `group`, now, put in the object store once."""
-        return ray.put(self.groups[group].call("weights", model, dispatch="rank0").result())
+        return ray.put(self.groups[group].call("weights", model, packed=True, dispatch="rank0").result())
 
     def load_snapshot(self, model: str, group: str, weights: Any) -> float:
         began = time.perf_counter()

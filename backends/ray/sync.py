@@ -49,7 +49,8 @@ class WeightSync:
             return 0.0
         began = time.perf_counter()
         source, targets = self.behind.pop(model)
-        weights = self.groups[source].call("weights", model, dispatch="rank0").result()
+        # numpy arrays (runtime.transport): Ray hands them over out-of-band, tensors it pickles in-band
+        weights = self.groups[source].call("weights", model, packed=True, dispatch="rank0").result()
         ref = ray.put(weights)  # one copy in the object store, read by every rank of every target group
         futures = [self.groups[t].call("load_weights", model, ref, dispatch="broadcast") for t in sorted(targets)]
         for f in futures:

@@ -28,7 +28,6 @@ import torch
 
 from flowrl.backends.serverless import migrate, prefill, stream
 from flowrl.backends.serverless.instance import SLOT, Build, remote_prewarm, remote_serve
-from flowrl.backends.serverless.transport import pack
 from flowrl.elastic.assign import ranked_runs
 from flowrl.elastic.predict import LengthPredictor
 from flowrl.elastic.prewarm import prewarm_delay
@@ -39,6 +38,7 @@ from flowrl.runtime import dispatch
 from flowrl.runtime.batch import Batch
 from flowrl.runtime.chunks import ChunkForward, assemble, concat
 from flowrl.runtime.protocol import Future, StreamedStage, WorkerGroup
+from flowrl.runtime.transport import pack
 from flowrl.runtime.worker import PromptEncoder
 
 # Without `placement`, a group's calls count in one elastic pool per stage kind.

@@ -13,7 +13,7 @@ call runs again on another process (a cold start in the cost report) with the sa
 returns what the lost one would have. An update returns its models' new weights and their optimizer state as
 a third and a fourth result, which stay in the object store (`num_returns=4`): the driver keeps only their
 references. Only a group that trains a model (`Build.trains`) loads its optimizer state: a generation pool
-loads the weights alone (a third of the bytes with Adam). States travel as numpy arrays (transport.py).
+loads the weights alone (a third of the bytes with Adam). States travel as numpy arrays (flowrl.runtime.transport).
 
 A pre-warmed instance (`prewarm`) is a task started before its stage, from the step history: it builds and
 loads its models, then waits (holding its slot, idle) for the call in its `Mailbox` box, and serves it as
@@ -33,9 +33,9 @@ from typing import Any
 import ray
 
 from flowrl.backends.serverless import migrate, prefill, stream
-from flowrl.backends.serverless.transport import pack, unpack
 from flowrl.ir.graph import ModelDecl
 from flowrl.runtime.dispatch import UPDATES
+from flowrl.runtime.transport import pack, unpack
 from flowrl.runtime.worker import ModelWorker
 
 SLOT = "device_slot"  # the Ray custom resource that stands for a device (a GPU on a GPU cluster)

@@ -37,6 +37,7 @@ from flowrl.runtime.chunks import (
     score_chunks,
 )
 from flowrl.runtime.schedule import Turn, interleave, taking_turns
+from flowrl.runtime.transport import pack, unpack
 
 ROLLOUT_KEYS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "temperature")
 
@@ -367,11 +368,14 @@ class ModelWorker:
             if name in self.generators:
                 self.generators[name].load_weights(self.models[name].module.state_dict())
 
-    def weights(self, model: str) -> dict[str, torch.Tensor]:
-        return {k: v.detach().cpu() for k, v in self.models[model].module.state_dict().items()}
+    def weights(self, model: str, packed: bool = False) -> dict[str, Any]:
+        """`model`'s weights on the host; `packed`: as numpy arrays, for Ray's object store (runtime.transport)."""
+        out = {k: v.detach().cpu() for k, v in self.models[model].module.state_dict().items()}
+        return pack(out) if packed else out
 
-    def load_weights(self, model: str, weights: Mapping[str, torch.Tensor]) -> None:
-        self.models[model].module.load_state_dict(weights)
+    def load_weights(self, model: str, weights: Mapping[str, Any]) -> None:
+        """Weights as `weights` returns them, packed or not."""
+        self.models[model].module.load_state_dict(unpack(weights))
         weights_changed(self.models[model].module)
 
     def pad_id(self, model: str) -> int:

@@ -1,4 +1,4 @@
-"""backends/serverless/transport.py: model state through the object store as numpy arrays, back as tensors."""
+"""flowrl.runtime.transport: model state through the object store as numpy arrays, back as tensors."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pickle
 
 import torch
 
-from flowrl.backends.serverless.transport import Array, pack, unpack
+from flowrl.runtime.transport import Array, pack, unpack
 
 
 def test_a_nested_state_comes_back_equal_in_every_dtype_and_owning_its_memory() -> None:

@@ -1,4 +1,5 @@
-"""Model state through the object store as numpy arrays (the serverless backend's weights and optimizer state).
+"""Model state through Ray's object store as numpy arrays (the Ray backend's weight sync and snapshots, the
+serverless backend's weights and optimizer state).
 
 Ray pickles a torch tensor in-band (its bytes copied into the pickle and out again: 9.6 ms to put and 6 ms to
 get 5.6 MB of state here), but hands numpy arrays over out-of-band (3.9 ms and 0.3 ms: the getter reads the
