@@ -20,12 +20,10 @@ import torch
 from torch import Tensor, nn
 from transformers import DynamicCache
 
+from flowrl.engines.prompt_cache import KV, stack_kv
 from flowrl.models.build import ValueModel, cache_kw
 
 __all__ = ["Prefixes", "compute_prefixes", "expand", "left_pad", "level", "match", "merge"]
-
-KV = list[tuple[Tensor, Tensor]]  # per layer: keys, values (rows, heads, slots, head_dim)
-
 
 @dataclass
 class Prefixes:
@@ -106,16 +104,8 @@ def merge(parts: Sequence[Prefixes]) -> Prefixes | None:
     parts = [p for p in parts if p.tokens]
     if not parts:
         return None
-    width = max(p.mask.shape[1] for p in parts)
-
-    def left(x: Tensor, dim: int) -> Tensor:
-        gap = list(x.shape)
-        gap[dim] = width - x.shape[dim]
-        return torch.cat([x.new_zeros(gap), x], dim=dim)
-
-    kv = [(torch.cat([left(p.kv[i][0], 2) for p in parts]), torch.cat([left(p.kv[i][1], 2) for p in parts]))
-          for i in range(len(parts[0].kv))]
-    return Prefixes([t for p in parts for t in p.tokens], kv, torch.cat([left(p.mask, 1) for p in parts]))
+    kv, mask = stack_kv([p.kv for p in parts], [p.mask for p in parts])
+    return Prefixes([t for p in parts for t in p.tokens], kv, mask)
 
 
 def match(prompts: Sequence[Sequence[int]], prefixes: Prefixes) -> list[int]:

@@ -86,14 +86,20 @@ def store(cache: PromptCache, prompts: Sequence[tuple[int, ...]], state: PromptS
 
 def stack(rows: Sequence[PromptState]) -> PromptState:
     """One PromptState of single-prompt states, left-padded to the widest (zero keys/values, mask 0)."""
-    width = max(r.mask.shape[1] for r in rows)
+    kv, mask = stack_kv([r.kv for r in rows], [r.mask for r in rows])
+    return PromptState(kv, mask, torch.cat([r.lengths for r in rows]), torch.cat([r.last for r in rows]))
+
+
+def stack_kv(kvs: Sequence[KV], masks: Sequence[Tensor]) -> tuple[KV, Tensor]:
+    """Caches of different widths (each (rows, heads, width, d) per layer, with a (rows, width) mask) as one,
+    left-padded to the widest: zero keys and values, mask 0."""
+    width = max(m.shape[1] for m in masks)
 
     def left(x: Tensor, dim: int) -> Tensor:
         gap = list(x.shape)
         gap[dim] = width - x.shape[dim]
         return torch.cat([x.new_zeros(gap), x], dim=dim)
 
-    kv = [(torch.cat([left(r.kv[i][0], 2) for r in rows]), torch.cat([left(r.kv[i][1], 2) for r in rows]))
-          for i in range(len(rows[0].kv))]
-    return PromptState(kv, torch.cat([left(r.mask, 1) for r in rows]), torch.cat([r.lengths for r in rows]),
-                       torch.cat([r.last for r in rows]))
+    kv = [(torch.cat([left(c[i][0], 2) for c in kvs]), torch.cat([left(c[i][1], 2) for c in kvs]))
+          for i in range(len(kvs[0]))]
+    return kv, torch.cat([left(m, 1) for m in masks])
