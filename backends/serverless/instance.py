@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,6 +39,7 @@ from flowrl.runtime.dispatch import UPDATES
 from flowrl.runtime.transport import pack, unpack
 from flowrl.runtime.worker import ModelWorker
 
+CLOSED_KEPT = 4096  # closed box names the Mailbox remembers (a take comes within its call, long before)
 SLOT = "device_slot"  # the Ray custom resource that stands for a device (a GPU on a GPU cluster)
 
 
@@ -189,6 +191,7 @@ class Mailbox:
         self.words: dict[str, list[Any]] = {}
         self.attempts: dict[str, list[tuple[int, float]]] = {}
         self.word_waiters: dict[str, asyncio.Future[None]] = {}
+        self.closed: OrderedDict[str, None] = OrderedDict()  # the last CLOSED_KEPT boxes closed
 
     async def ready(self, prefix: str) -> None:
         if not any(b.startswith(prefix) and not self.boxes[b].done() for b in self.takers):
@@ -219,6 +222,12 @@ class Mailbox:
         self.boxes.pop(box, None)
         self.takers.discard(box)
         self.words.pop(box, None)
+        self.closed[box] = None  # a take still waiting (a taker gave up on its owner) or coming late gets []
+        while len(self.closed) > CLOSED_KEPT:
+            self.closed.popitem(last=False)
+        waiting = self.word_waiters.pop(box, None)
+        if waiting is not None and not waiting.done():
+            waiting.set_result(None)
 
     # the ledger of attempts: each instance task's attempts tell when they began (a lost one returns nothing)
     async def began(self, token: str, pid: int, wall: float) -> None:
@@ -239,6 +248,8 @@ class Mailbox:
         """The words offered in `box` after the first `since` (waiting for at least one). Words stay until the
         box is closed, so a sink's retried attempt (its process lost) reads them all again."""
         while len(self.words.get(box, [])) <= since:
+            if box in self.closed:  # nothing will come
+                return []
             waiting = self.word_waiters.setdefault(box, asyncio.get_running_loop().create_future())
             await waiting
         return self.words[box][since:]

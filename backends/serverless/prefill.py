@@ -153,6 +153,8 @@ def _take(share: Share, deadline: float | None) -> dict[int, Prefixes]:
         if not ready:
             break
         words = ray.get(pending)
+        if not words:  # the box was closed
+            break
         since += len(words)
         for rank, ref in words:
             if rank in owners and rank not in got:

@@ -401,3 +401,17 @@ def test_only_a_group_that_trains_a_model_loads_its_optimizer_state(split_grpo: 
         instance._ready(("t", f"g{len(given)}"), build, {"actor": (7, [weights, "actor", optim])})
         assert str(given[-1]["optim"]) == str(expect) and torch.equal(given[-1]["module"]["w"], torch.ones(2))
     instance._CACHE.clear()
+
+
+def test_a_take_left_waiting_on_a_box_returns_when_the_box_closes() -> None:
+    """A taker that gave up on its owner leaves its take waiting in the Mailbox; closing the box (the
+    generation returned) ends it with no words instead of leaving it waiting for the rest of the run."""
+    from flowrl.backends.serverless.instance import remote_mailbox
+
+    mailbox = remote_mailbox.remote()
+    waiting = [mailbox.take_all.remote("p", 0), mailbox.take_all.remote("p", 0)]
+    mailbox.close.remote("p")  # whether it runs before the takes or after them: they end with no words
+    assert ray.get(waiting, timeout=120) == [[], []]
+    ray.get(mailbox.offer.remote("q", "word"))
+    ray.get(mailbox.close.remote("q"))
+    assert ray.get(mailbox.take_all.remote("q", 0), timeout=120) == []  # a late take of a closed box: no wait
