@@ -197,14 +197,15 @@ class ServerlessGroup:
         self.finished: dict[str, Usage] = {}  # ledger token -> the usage its finished attempt reported
         self.encoders: dict[str, PromptEncoder] = {}  # generating models' prompt tokenization (prefill planning)
         self.prefill = prefill.Measured()
-        self.grouped_tokens = 0.0  # the last generation's prompt tokens in shared prefixes (before dedup)
 
     def start(self) -> None:
-        """One instance builds the models once (the pool's first cold start) and tells their pad ids."""
-        self.pads = {m: int(self.call("pad_id", m, dispatch="rank0").result()) for m in self.models}
+        """One instance builds the models once (the pool's first cold start) and tells how each tokenizes
+        prompts: their pad ids, and for a deduplicated prefill the generating models' tokenization."""
+        encoders = {m: self.call("prompt_encoder", m, dispatch="rank0").result() for m in self.models}
+        self.pads = {m: int(e.tokenizer.pad_id) for m, e in encoders.items()}
         if self.policy.dedup != "off":
-            self.encoders = {m.name: self.call("prompt_encoder", m.name, dispatch="rank0").result()
-                             for m in self.build.models if m.role == "policy" and m.engine != "vllm"}
+            self.encoders = {m.name: encoders[m.name] for m in self.build.models
+                             if m.role == "policy" and m.engine != "vllm"}
 
     # ---- the WorkerGroup protocol --------------------------------------------------------------------
     def call(self, method: str, *args: Any, dispatch: str = "split", **kwargs: Any) -> Future:
@@ -369,7 +370,6 @@ class ServerlessGroup:
             [b.size for b in shards], self.policy.dedup, self.prefill, box, self.mailbox)
         if not decided["prefixes"]:
             return [], ""
-        self.grouped_tokens = decided.pop("grouped_tokens")
         self.metrics.update({f"prefill/{self.name}/{k}": v for k, v in decided.items()})
         return shares, box
 
@@ -382,7 +382,7 @@ class ServerlessGroup:
         g = f"prefill/{self.name}/"
         computed = sum(s["prefill_tokens"] for s in stats)
         self.metrics[g + "computed_tokens"] = computed
-        self.metrics[g + "saved_tokens"] = self.grouped_tokens - computed
+        self.metrics[g + "saved_tokens"] = sum(s["skipped_tokens"] for s in stats) - computed
         self.metrics[g + "prefill_s"] = sum(s["prefill_s"] for s in stats)
         for key in ("handover_tokens", "handover_bytes", "handover_s", "handover_missed"):
             self.metrics[g + key] = sum(s[key] for s in stats)

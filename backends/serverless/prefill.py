@@ -39,6 +39,7 @@ class Share:
     offer: tuple[Tokens, ...] = ()
     take: tuple[tuple[int, tuple[Tokens, ...]], ...] = ()
     patience_s: float | None = None  # the longest a taker waits for an owner before computing the prefixes itself
+    skipped: int = 0  # prompt tokens this instance does not prefill (its prompts' prefixes)
 
 
 @dataclass
@@ -83,14 +84,16 @@ def plan_shares(encoder: PromptEncoder, texts: Sequence[str], max_tokens: int, m
     # "handover" waits for the owner however long it takes; "auto" no longer than recomputing is expected to take
     patience = None if mode == "handover" else recompute if recompute is not None else UNMEASURED_PATIENCE_S
     shares = share_prefixes(members, instance_of, len(sizes), handing)
+    skipped = [0] * len(sizes)
+    for (length, _), held in zip(groups, members, strict=True):
+        for p in held:
+            skipped[instance_of[p]] += length
     out = [Share(box, rank, mailbox, tuple(prefixes[g] for g in s.compute), tuple(prefixes[g] for g in s.offer),
                  tuple((owner, tuple(prefixes[g] for g, o in s.take if o == owner))
-                       for owner in sorted({o for _, o in s.take})), patience)
+                       for owner in sorted({o for _, o in s.take})), patience, skipped[rank])
            for rank, s in enumerate(shares)]
     decided = {"prefixes": float(len(groups)), "handover": float(handing and bool(taken)),
-               "prompt_tokens": float(sum(len(r) for r in ids)),
-               "grouped_tokens": float(sum(len(held) * length
-                                           for (length, _), held in zip(groups, members, strict=True)))}
+               "prompt_tokens": float(sum(len(r) for r in ids))}
     if recompute is not None:
         decided["recompute_est_s"] = recompute
     if measured.handover_s is not None:
@@ -105,7 +108,7 @@ def resolve(worker: ModelWorker, model: str, share: Share) -> tuple[Prefixes | N
     instance computes those prefixes itself (a slow owner, or one still waiting for a device, never holds the
     others up for longer than that)."""
     stats = {"prefill_s": 0.0, "prefill_tokens": 0.0, "handover_s": 0.0, "handover_tokens": 0.0,
-             "handover_bytes": 0.0, "handover_missed": 0.0}
+             "handover_bytes": 0.0, "handover_missed": 0.0, "skipped_tokens": float(share.skipped)}
     parts: list[Prefixes] = []
     if share.compute:
         own = _compute(worker, model, share.compute, stats)

@@ -26,7 +26,7 @@ from flowrl.engines.forward import (
     forward_values,
     positions_from_mask,
 )
-from flowrl.engines.prefill import Prefixes, expand, left_pad, match
+from flowrl.engines.prefill import Prefixes, expand, left_pad, match, supports_levels
 from flowrl.engines.prefill import positions as level_positions
 from flowrl.models.attention import SharedPrefix, reads_shared_prefix
 from flowrl.models.build import cache_kw
@@ -150,8 +150,8 @@ def prefill_prompts(module: nn.Module, prompts: Sequence[Sequence[int]], ids: Te
     a prompt opening with one runs only its rest, after the prefix's keys and values (rows [prefix | rest],
     engines/prefill.py); caches other than full attention (sliding windows) ignore them."""
     group_of = match(prompts, prefixes) if prefixes is not None else []
-    cache, ours = make_cache(module, ids.shape[1] + extra)
-    if prefixes is None or max(group_of, default=-1) < 0 or not ours:
+    if prefixes is None or max(group_of, default=-1) < 0 or not supports_levels(module):
+        cache, ours = make_cache(module, ids.shape[1] + extra)
         run_ids, run_mask = (ids, mask) if share else (ids.repeat_interleave(n, 0), mask.repeat_interleave(n, 0))
         out = module(input_ids=run_ids, attention_mask=run_mask, position_ids=positions_from_mask(run_mask),
                      use_cache=True, logits_to_keep=1, **cache_kw(module, cache))  # fmt: skip

@@ -19,11 +19,12 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from flowrl.engines.prompt_cache import KV, stack_kv
 from flowrl.models.build import ValueModel, cache_kw
 
-__all__ = ["Prefixes", "compute_prefixes", "expand", "left_pad", "level", "match", "merge"]
+__all__ = ["Prefixes", "compute_prefixes", "expand", "left_pad", "level", "match", "merge", "supports_levels"]
 
 @dataclass
 class Prefixes:
@@ -46,6 +47,16 @@ class Prefixes:
         width = max(1, max((len(self.tokens[i]) for i in rows), default=1))
         return Prefixes([self.tokens[i] for i in rows], [(k[idx, :, -width:], v[idx, :, -width:]) for k, v in self.kv],
                         self.mask[idx, -width:])
+
+
+def supports_levels(module: nn.Module) -> bool:
+    """Only plain full-attention caches can be split into levels (sliding-window layers cannot)."""
+    lm = module.backbone if isinstance(module, ValueModel) else module
+    config = getattr(lm, "config", None)
+    if config is None:
+        return False
+    layers = getattr(DynamicCache(config=config), "layers", [])
+    return bool(layers) and all(type(layer) is DynamicLayer for layer in layers)
 
 
 def left_pad(rows: Sequence[Sequence[int]], pad: int, device: torch.device) -> tuple[Tensor, Tensor]:

@@ -26,13 +26,11 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
 
 from flowrl.engines import packing_cost
 from flowrl.engines.forward import token_entropy, token_logprobs
 from flowrl.engines.packing_cost import packed_rows, packed_width, run_lengths
-from flowrl.engines.prefill import compute_prefixes, expand, left_pad, level, run
+from flowrl.engines.prefill import compute_prefixes, expand, left_pad, level, run, supports_levels
 from flowrl.engines.prompt_cache import KV, PromptCache, PromptState, cache_of, stack, store
 from flowrl.engines.trie import PrefixPlan, plan_of, plan_prefixes
 from flowrl.models.attention import NAME as ATTENTION
@@ -41,16 +39,6 @@ from flowrl.models.build import ValueModel
 __all__ = ["PromptState", "packed_logprobs_entropy", "packed_values", "prefill", "shared_logprobs", "shared_values"]
 
 # -- running the levels -----------------------------------------------------------------------------------
-
-
-def _supports_cache(module: nn.Module) -> bool:
-    """Only plain full-attention caches can be split into levels (sliding-window layers cannot)."""
-    lm = module.backbone if isinstance(module, ValueModel) else module
-    config = getattr(lm, "config", None)
-    if config is None:
-        return False
-    layers = getattr(DynamicCache(config=config), "layers", [])
-    return bool(layers) and all(type(layer) is DynamicLayer for layer in layers)
 
 
 def prefill(module: nn.Module, plan: PrefixPlan, pad: int, device: torch.device) -> PromptState:
@@ -201,7 +189,7 @@ def _prompt_states(module: nn.Module, plan: PrefixPlan, min_len: int, pad: int, 
 def _shared(module: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor,
             response_mask: Tensor, min_len: int, micro_batch: int, pad: int,
             finish: Callable[[Tensor, Tensor, Tensor], Tensor]) -> Tensor | None:
-    if response_ids.shape[1] == 0 or prompt_ids.shape[0] == 0 or not _supports_cache(module):
+    if response_ids.shape[1] == 0 or prompt_ids.shape[0] == 0 or not supports_levels(module):
         return None
     plan = plan_prefixes(prompt_ids, prompt_mask, min_len)
     cache = cache_of(module)
@@ -284,7 +272,7 @@ def _packed_train(module: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, re
     plain forward. None when no prompt of at least `min_len` tokens repeats, or the packing does not apply
     (then use the plain forward). Nothing is cached: the weights change right after."""
     length = response_ids.shape[1]
-    if length < 2 or prompt_ids.shape[0] == 0 or not _supports_cache(module):
+    if length < 2 or prompt_ids.shape[0] == 0 or not supports_levels(module):
         return None
     if _attention(module) not in PACKABLE:
         return None

@@ -366,7 +366,7 @@ def test_the_prefill_plan_shares_a_prefix_across_the_step_and_learns_from_misses
     pre = tuple(encoder.ids(texts[:1], 8)[0][:16])  # BOS and the 15 characters
     assert [(s.compute, s.offer, s.take) for s in shares] == [((pre,), (pre,), ()), ((), (), ((0, (pre,)),)),
                                                               ((), (), ((0, (pre,)),))]
-    assert decided["grouped_tokens"] == 5 * 16 and decided["handover"] == 1.0
+    assert [s.skipped for s in shares] == [2 * 16, 2 * 16, 16] and decided["handover"] == 1.0
     shares, _ = prefill.plan_shares(encoder, texts, 8, 16, sizes, "local", measured, "b", None)
     assert [(s.compute, s.take) for s in shares] == [((pre,), ()), ((pre,), ()), ((pre,), ())]
 
