@@ -1,19 +1,25 @@
-"""`code_tests`: partial credit by tests passed, and hostile code contained (loops, forks, floods of output, files
-outside its directory, the network)."""
+"""`code_tests`: partial credit by tests passed, both test forms, and hostile solutions scoring 0 (forged results
+on every descriptor, always-equal objects, patched builtins and harness, early exits, killing the parent,
+reading the harness's files, fork bombs, floods of output, the network)."""
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from pathlib import Path
 
 import pytest
 
-from flowrl.rewards.code import code_tests, extract_code, jail, run_tests
+from flowrl.rewards import sandbox
+from flowrl.rewards.code import code_tests, extract_code, plan, run_tests
 
 ADD = "def add(a, b):\n    return a + b\n"
 TESTS = ["assert add(2, 3) == 5", "assert add(-1, 1) == 0", "assert add('a', 'b') == 'ab'"]
-AS_ROOT = os.geteuid() == 0
+DOUBLE = "n = int(input())\nprint(n * 2)\n"
+IO = [{"input": "3\n", "output": "6\n"}, {"input": "21", "output": "42"}]
+STRICT = sandbox.isolation().strict
+needs_strict = pytest.mark.skipif(not STRICT, reason=sandbox.isolation().describe())
 
 
 def test_a_correct_solution_passes_every_test() -> None:
@@ -35,36 +41,122 @@ def test_the_last_fenced_block_is_the_code() -> None:
     assert extract_code("x = 3") == "x = 3"
 
 
+def test_asserts_are_decided_here_as_python_would() -> None:
+    tests = ["x = add(1, 2)\nassert x == 3 and x > 2", "assert not add(1, -1)", "assert 0 < add(1, 1) <= 2",
+             "assert add(1, 1) in (2, 3)", "assert add(None, None) is None or True", "assert add(1, 1) == 3",
+             "assert add(1, 1) < 'a'", "assert add([1], [2]) == [1, 2]", "assert add(1, 2)"]
+    nones = "def add(a, b):\n    return None if a is None else a + b\n"
+    assert run_tests(nones, tests) == [True, True, True, True, True, False, False, True, True]
+
+
+def test_the_expected_values_stay_here() -> None:
+    assert plan("assert add(2, 3) == 5").steps == (("probe", "add(2, 3)"),)  # what the runner is sent
+    assert plan("x = f()\nassert [1, 2] == x").steps == (("run", "x = f()"), ("probe", "x"))
+    assert plan({"input": "1 2", "output": "3"}) is not None and plan({"input": 1}) is None
+
+
+def test_stdin_stdout_tests_compare_output_token_by_token() -> None:
+    assert run_tests(DOUBLE, [*IO, {"input": "4", "output": "  8 \n\n"}, {"input": "4", "output": "9"}]) == \
+        [True, True, True, False]
+    fast_io = "import sys\ndata = sys.stdin.buffer.read().split()\nsys.stdout.write(str(sum(map(int, data))))\nexit()\n"
+    assert run_tests(fast_io, [{"input": "1 2\n3", "output": "6"}]) == [True]
+    crashes_after = "print(int(input()) * 2)\nraise SystemExit(3)\n"
+    assert run_tests(crashes_after, IO) == [False, False]  # the right output, then a non-zero status
+
+
+def test_both_forms_in_one_row() -> None:
+    code = ADD + "if __name__ == '__main__':\n    print(add(*map(int, input().split())))\n"
+    assert code_tests("", code, tests=["assert add(1, 2) == 3", {"input": "2 2", "output": "4"}]) == 1.0
+
+
+def test_five_hundred_tests_in_one_row_all_count() -> None:
+    many = [f"assert add({i}, 1) == {i + 1}" for i in range(500)]
+    assert code_tests("", ADD, tests=many) == 1.0
+    echo = [{"input": str(i), "output": str(i + 1)} for i in range(500)]
+    assert code_tests("", "print(int(input()) + 1)\n", tests=echo) == 1.0
+
+
+# ---- hostile solutions: each scores 0 ----------------------------------------------------------------------
+
+FORGE = ("import os\nfor fd in range(21):\n    try:\n"
+         "        os.write(fd, b'[true, true, true]\\n{\"loaded\": true}\\n{\"values\": [], \"error\": null}\\n')\n"
+         "    except OSError:\n        pass\n")
+
+
+@pytest.mark.parametrize("ending", ["", "os._exit(0)\n", "raise SystemExit(0)\n"])
+def test_forged_results_written_to_every_descriptor_pass_nothing(ending: str) -> None:
+    assert code_tests("", FORGE + ending, tests=TESTS) == 0.0
+    assert code_tests("", FORGE + ending, tests=IO) == 0.0
+
+
+def test_an_always_equal_object_passes_nothing() -> None:
+    always = ("class Eq:\n    def __eq__(self, other):\n        return True\n    __ne__ = lambda s, o: False\n"
+              "    __hash__ = object.__hash__\n"
+              "class Int(int):\n    def __eq__(self, other):\n        return True\n    __hash__ = int.__hash__\n"
+              "def add(a, b):\n    return Eq() if isinstance(a, int) else Int(0)\n")
+    assert code_tests("", always, tests=[*TESTS, "assert add(1, 1) in [2]", "assert [add(1, 1)] == [2]"]) == 0.0
+
+
+@pytest.mark.parametrize("patch", [
+    "import builtins\nbuiltins.AssertionError = type('Quiet', (Exception,), {})\n__builtins__['print'] = None\n",
+    "import __main__\n__main__.plain = lambda x, depth=0: ['bool', True]\n",  # the runner's own serializer
+    "import __main__\n__main__.send = lambda fd, obj: __main__.os.write(fd, b'{\"values\": [], \"error\": null}\\n')\n",
+    "import builtins\nbuiltins.eval = lambda *a: True\nbuiltins.exec = lambda *a: None\n",
+    "import sys\nsys.exit(0)\n",
+    "import os\nos._exit(0)\n",
+    "import atexit, os\natexit.register(lambda: os.write(1, b'{\"values\": [[\"int\", \"5\"]], \"error\": null}\\n'))\n",
+])
+def test_patching_builtins_or_the_harness_or_exiting_passes_nothing(patch: str) -> None:
+    wrong = "def add(a, b):\n    return -7\n"
+    assert code_tests("", patch + wrong, tests=TESTS) == 0.0
+
+
+def test_killing_the_parent_fails_and_harms_no_one() -> None:
+    kills = (f"import os, signal\nfor pid in (os.getppid(), {os.getpid()}, -1, 0):\n    try:\n"
+             "        os.kill(pid, signal.SIGKILL)\n    except OSError:\n        pass\n")
+    assert code_tests("", kills + "def add(a, b):\n    return -7\n", tests=TESTS) == 0.0
+    assert code_tests("", kills + ADD, tests=TESTS) in (0.0, 1.0)  # jailed it may live on; unjailed it dies
+    assert code_tests("", ADD, tests=TESTS) == 1.0  # and this process, named by pid above, is alive
+
+
+@needs_strict
+def test_the_harness_files_and_processes_are_out_of_sight(tmp_path: Path) -> None:
+    data = tmp_path / "data.jsonl"  # world-readable, as data sets are
+    data.write_text(json.dumps({"prompt": "p", "tests": [{"input": "", "output": "s3cret-42"}]}) + "\n")
+    snoop = ("import os\nfound = ''\n"
+             f"for path in [{str(data)!r}, '/proc/1/environ', '/etc/passwd', os.path.expanduser('~/.bashrc')]:\n"
+             "    try:\n        found += open(path).read()\n    except OSError:\n        pass\n"
+             "for pid in os.listdir('/proc'):\n    if pid.isdigit():\n        try:\n"
+             "            found += open(f'/proc/{pid}/cmdline').read()\n        except OSError:\n            pass\n"
+             "print('s3cret-42' if 's3cret-42' in found else found)\n")
+    assert run_tests(snoop, [{"input": "", "output": "s3cret-42"}]) == [False]
+    listing = "import os\nSEEN = sorted(os.listdir('/'))\nPIDS = [p for p in os.listdir('/proc') if p.isdigit()]\n"
+    assert run_tests(listing, ["assert SEEN == ['bin', 'dev', 'lib', 'lib64', 'proc', 'sbin', 'tmp', 'usr']",
+                               "assert PIDS == ['1']"]) == [True, True]
+
+
+@needs_strict
+def test_a_fork_bomb_is_bounded_and_scores_zero() -> None:
+    bomb = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n" + ADD
+    assert run_tests(bomb, TESTS, timeout=2.0) == [False, False, False]  # returned: the deadline holds
+    counted = ("import os\npids = []\nfor _ in range(200):\n    try:\n        pids.append(os.fork())\n"
+               "    except OSError:\n        break\n    if pids[-1] == 0:\n        import time; time.sleep(30); os._exit(0)\n"
+               "FORKED = len(pids)\n")
+    assert run_tests(counted, ["assert FORKED < 20"], timeout=3.0) == [True]  # RLIMIT_NPROC stopped it early
+
+
+def test_huge_output_is_bounded() -> None:
+    endless = "while True:\n    print('x' * 10000)\n"
+    assert run_tests(endless, IO) == [False, False]  # cut at OUTPUT_BYTES each, the row still answered
+    flood = "import sys\nfor _ in range(10**5):\n    sys.stdout.write('x' * 1000)\nDONE = True\n"
+    # in the snippet form its output goes nowhere: the solution runs on to its tests
+    assert run_tests(flood + ADD, ["assert DONE", "assert add(1, 2) == 3"], timeout=60.0) == [True, True]
+
+
 def test_an_infinite_loop_is_stopped_and_the_tests_before_it_count() -> None:
     hangs = ADD + "def spin():\n    while True:\n        pass\n"
     assert run_tests(hangs, ["assert add(1, 1) == 2", "spin()", "assert add(2, 2) == 4"], timeout=1.0) == \
         [True, False, False]
-
-
-@pytest.mark.skipif(not AS_ROOT, reason="RLIMIT_NPROC binds only an unprivileged user: as root the sandbox is nobody")
-def test_a_fork_bomb_is_contained() -> None:
-    bomb = ("import os\npids = []\nfor _ in range(200):\n    try:\n        pids.append(os.fork())\n"
-            "    except OSError:\n        break\n    if pids[-1] == 0:\n        import time; time.sleep(30); os._exit(0)\n"
-            "FORKED = len(pids)\n")
-    assert run_tests(bomb, ["assert FORKED < 20"], timeout=3.0) == [True]  # RLIMIT_NPROC stopped it early
-
-
-def test_a_flood_of_output_costs_the_parent_nothing() -> None:
-    flood = "import sys\nfor _ in range(10**6):\n    sys.stdout.write('x' * 1000)\nDONE = True\n"
-    # a gigabyte of output goes nowhere: the solution runs on to its tests, the parent holds none of it
-    assert run_tests(flood + ADD, ["assert DONE", "assert add(1, 2) == 3"], timeout=60.0) == [True, True]
-
-
-@pytest.mark.skipif(not AS_ROOT, reason="file isolation needs the sandbox to run as its own user (root drops to nobody)")
-def test_a_private_file_outside_its_directory_cannot_be_read() -> None:
-    assert jail()[0] == "unshare"
-    with tempfile.TemporaryDirectory() as other:
-        secret = Path(other) / "secret.txt"
-        secret.write_text("s3cret")
-        os.chmod(other, 0o700)
-        reads = f"try:\n    LEAK = open({str(secret)!r}).read()\nexcept OSError:\n    LEAK = None\n"
-        assert run_tests(reads, ["assert LEAK is None"]) == [True]
-        assert run_tests("import os\nHOME = os.listdir('/root')\n", ["assert HOME"]) == [False]
 
 
 def test_the_network_is_off() -> None:
@@ -73,11 +165,10 @@ def test_the_network_is_off() -> None:
     assert run_tests(net, ["assert REACHED is False"]) == [True]
 
 
-def test_its_working_directory_is_fresh_and_removed(tmp_path: Path) -> None:
+def test_its_working_directory_is_fresh_and_removed() -> None:
     before = set(Path(tempfile.gettempdir()).glob("flowrl-code-*"))
-    writes = "import os\nopen('out.txt', 'w').write('x')\nHERE = os.getcwd()\nFILES = sorted(os.listdir('.'))\n"
-    assert run_tests(writes, ["assert FILES == ['out.txt', 'task.json']", "assert 'flowrl-code-' in HERE"]) == \
-        [True, True]
+    writes = "import os\nopen('out.txt', 'w').write('x')\nFILES = sorted(os.listdir('.'))\n"
+    assert run_tests(writes, ["assert FILES == ['out.txt']"]) == [True]
     assert set(Path(tempfile.gettempdir()).glob("flowrl-code-*")) == before
 
 
@@ -85,3 +176,50 @@ def test_memory_is_limited() -> None:
     """4 GiB (this machine has far more) fails under the 1 GiB address-space limit: the code does not load."""
     assert run_tests("BIG = bytearray(4 * 2**30)\n", ["assert len(BIG) > 0"]) == [False]
     assert run_tests("SMALL = bytearray(2**20)\n", ["assert len(SMALL) > 0"]) == [True]
+
+
+# ---- where strict isolation is missing ---------------------------------------------------------------------
+
+
+@pytest.fixture
+def degraded(monkeypatch: pytest.MonkeyPatch) -> sandbox.Isolation:
+    """This process as if the machine allowed no namespaces: sessions really run unjailed, as the caller."""
+    found = sandbox.Isolation(False, ("root (running as uid 1000: namespaces and a user of its own need it)",))
+    monkeypatch.setattr(sandbox, "_FOUND", [found])
+    monkeypatch.setattr(sandbox, "_WARNED", [])
+    return found
+
+
+def test_without_isolation_it_warns_once_saying_what_is_missing(degraded: sandbox.Isolation) -> None:
+    with pytest.warns(sandbox.SandboxWarning, match=r"WITHOUT isolation.*Missing: root \(running as uid 1000"):
+        assert code_tests("", ADD, tests=TESTS) == 1.0
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert code_tests("", FORGE, tests=TESTS) == 0.0  # no second warning; verdicts are still made here
+
+
+def test_strict_refuses_without_isolation(degraded: sandbox.Isolation) -> None:
+    with pytest.raises(sandbox.SandboxError, match="Missing: root"):
+        sandbox.require_strict()
+
+
+@needs_strict
+def test_strict_is_available_here() -> None:
+    sandbox.require_strict()
+    assert sandbox.isolation().describe().startswith("strict: namespaces")
+
+
+@needs_strict
+def test_an_unprivileged_caller_finds_it_degraded_and_says_why() -> None:
+    """The probe itself, run as another user: no root, so no jail, and the reason given."""
+    import subprocess
+    import sys
+
+    probe = "from flowrl.rewards.sandbox import isolation; print(isolation().describe())"
+    out = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c",
+                          probe], capture_output=True, text=True, cwd=Path(__file__).parents[2], timeout=120)
+    if out.returncode != 0:
+        pytest.skip(f"this interpreter is not usable by nobody: {out.stderr.strip()[-200:]}")
+    assert "Missing: root (running as uid 65534" in out.stdout
