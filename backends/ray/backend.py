@@ -1,7 +1,9 @@
 """`RayBackend`: each worker group of the compiled graph becomes N Ray actors in a placement group.
 
 `start` sizes the groups (`cluster.group_specs`), reserves one placement group per worker group, starts every
-rank at once and waits for all of them; `after_update` is the controller's hook for split placement's weight
+rank at once and waits for all of them (each placement group's life, created to removed on the driver's clock,
+is kept in `reserved`: the device-time the cluster held for the fixed pools, what bench/serverless.py sets against
+the serverless pools' held time); `after_update` is the controller's hook for split placement's weight
 sync; `shutdown` stops the actors, frees the placement groups (waiting until Ray counts their resources free
 again, so a run started next in the same cluster can size its groups) and stops Ray if it was started here. It
 is safe to call `shutdown` at any point (after Ctrl-C, after an error, twice).
@@ -13,6 +15,7 @@ import logging
 import time
 import uuid
 from collections.abc import Mapping
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +31,22 @@ from flowrl.runtime.protocol import WorkerGroup
 
 log = logging.getLogger("flowrl.ray")
 RELEASE_TIMEOUT_S = 10.0  # how long `shutdown` waits for removed placement groups' resources to be free again
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """A worker group's placement group: its bundles (one per rank, one device each) and when it was created and
+    removed (time.time(); `removed` None while it lives). The cluster holds `ranks` devices for it all along."""
+
+    group: str
+    ranks: int
+    created: float
+    removed: float | None = None
+
+    def held_s(self, now: float | None = None) -> float:
+        """Device-seconds held: ranks times its life (until `now` while it lives)."""
+        end = self.removed if self.removed is not None else (time.time() if now is None else now)
+        return self.ranks * max(0.0, end - self.created)
 
 
 class RayBackend:
@@ -49,6 +68,7 @@ class RayBackend:
         self.groups: dict[str, RayWorkerGroup] = {}
         self.sync: WeightSync | None = None
         self._pgs: list[PlacementGroup] = []
+        self.reserved: list[Reservation] = []  # every placement group this backend created, in order
         self._free_before: dict[str, float] = {}  # CPU/GPU free when `start` reserved ours
 
     def start(self, graph: Graph, *, seed: int, device: str) -> dict[str, WorkerGroup]:
@@ -121,6 +141,9 @@ class RayBackend:
         self._pgs = []
         if removed and not self.session.owned:
             self._await_release()
+        # the reservations end once removed (on a cluster flowrl joined: once Ray counts them free again)
+        now = time.time()
+        self.reserved = [r if r.removed is not None else replace(r, removed=now) for r in self.reserved]
         self.session.close()
 
     def _await_release(self) -> None:
@@ -136,6 +159,7 @@ class RayBackend:
 
     # ---- placement groups ---------------------------------------------------------------------------
     def _reserve(self, spec: GroupSpec) -> PlacementGroup:
+        self.reserved.append(Reservation(spec.name, spec.world, time.time()))
         pg = placement_group([dict(spec.bundle) for _ in range(spec.world)], strategy="PACK",
                              name=f"flowrl-{spec.name}-{uuid.uuid4().hex[:8]}")
         self._pgs.append(pg)

@@ -25,6 +25,9 @@ from flowrl.errors import Diagnostic, FlowError
 from flowrl.ir.graph import Graph
 
 log = logging.getLogger("flowrl.ray")
+# How often this driver reports its tasks' state changes to the GCS (Ray's default: every second): the serverless
+# cost report reads each step's instance tasks from them (backends/serverless/held.py) as the step ends.
+TASK_EVENTS_INTERVAL_MS = "20"
 
 
 class Session:
@@ -53,6 +56,7 @@ class Session:
             ray_logger.propagate = False
             options["configure_logging"] = False
         self.owned = True
+        os.environ.setdefault("RAY_task_events_report_interval_ms", TASK_EVENTS_INTERVAL_MS)  # read by ray.init
         try:
             if self.address:
                 self._join(options)

@@ -1,0 +1,98 @@
+"""A private Ray head for the tests that join a cluster the way a user does (`flowrl run --address`): started
+with `ray start --head` on free ports in a session of its own, stopped by killing that session's processes (never
+`ray stop`, which stops every Ray instance on the machine); and the flows those tests run."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import psutil
+
+ROOT = Path(__file__).resolve().parents[2]
+RAY = Path(sys.executable).parent / "ray"
+DATA = ROOT / "examples" / "data" / "longtail.jsonl"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextmanager
+def head(slots: int, cpus: int = 2) -> Iterator[str]:
+    """A Ray head with `cpus` CPUs and `slots` device slots -> its address; its processes killed after."""
+    temp = Path(tempfile.mkdtemp(prefix="flowrl-h-", dir="/tmp"))  # Ray's socket paths must stay short
+    port = free_port()
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    cmd = [str(RAY), "start", "--head", "--port", str(port), "--num-cpus", str(cpus),
+           "--resources", json.dumps({"device_slot": slots}), "--include-dashboard=false",
+           "--ray-client-server-port", str(free_port()), "--temp-dir", str(temp)]
+    started = subprocess.run(cmd, env=env, capture_output=True, text=True, start_new_session=True, timeout=180)
+    session = _session_of(temp)
+    try:
+        assert started.returncode == 0, started.stdout + started.stderr
+        yield f"127.0.0.1:{port}"
+    finally:
+        _kill(session)
+
+
+def _session_of(temp: Path) -> int | None:
+    """The session id of the head's processes (the ones whose command line names its temp dir)."""
+    for p in psutil.process_iter(["cmdline"]):
+        if any(str(temp) in part for part in (p.info["cmdline"] or [])):
+            return os.getsid(p.pid)
+    return None
+
+
+def _kill(session: int | None) -> None:
+    if session is None or session == os.getsid(0):
+        return
+    procs = [p for p in psutil.process_iter() if _sid(p) == session]
+    for p in procs:
+        try:
+            p.send_signal(signal.SIGKILL)
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(procs, timeout=30)
+
+
+def _sid(p: psutil.Process) -> int | None:
+    try:
+        return os.getsid(p.pid)
+    except (ProcessLookupError, PermissionError):
+        return None
+
+
+def longtail_flow(out: Path, rollout: str, train: str = "1..1", run: str = "", batch: int = 8, group: int = 4,
+                  max_tokens: int = 24) -> Path:
+    """examples/longtail_grpo.flow, smaller (batch `batch`, group `group`, `max_tokens`), with elastic pools
+    `rollout` and `train` (`gpus` ranges) and extra `run` keys."""
+    text = (
+        "flow longtail_grpo_small\n"
+        'model actor : policy { source = "tiny:gpt2", layers = 1, dim = 32, heads = 2, '
+        'charset = "0123456789+=", lr = 1e-5 }\n'
+        "model ref : reference { source = actor }\n"
+        'reward length = "flowrl.rewards.length_target"\n'
+        f'data prompts = jsonl("{DATA}") {{ batch = {batch}, shuffle = true }}\n'
+        f"use grpo(reward = length, group = {group}, max_tokens = {max_tokens}, kl_coef = 0.01, temperature = 1.0)\n"
+        "placement {\n"
+        f"    pool rollout {{ gpus = {rollout}, elastic = true }}\n"
+        f"    pool train   {{ gpus = {train}, elastic = true }}\n"
+        "    actor.generate -> rollout\n"
+        "    actor.update, ref -> train\n"
+        "}\n"
+        f"run {{ seed = 0, checkpoint_every = 0 {run} }}\n")
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "longtail_small.flow"
+    path.write_text(text)
+    return path

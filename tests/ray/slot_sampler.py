@@ -1,0 +1,46 @@
+"""A second driver on a Ray cluster that counts device slots in use from outside a run (tests/ray): it joins the
+cluster at ADDRESS, samples `ray.available_resources()` every ~10 ms and integrates the busy `device_slot`s
+(the cluster's total minus what is available) over time, until its standard input closes; then it writes
+{"busy_slot_s", "samples", "most_busy"} to OUT as JSON.
+
+    python tests/ray/slot_sampler.py ADDRESS OUT READY
+
+READY is created after the first sample, so a test starts its run only once the sampler is counting.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import threading
+import time
+from pathlib import Path
+
+import ray
+
+SLOT = "device_slot"
+PERIOD_S = 0.01
+
+
+def main(address: str, out: Path, ready: Path) -> None:
+    ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
+    total = float(ray.cluster_resources().get(SLOT, 0.0))
+    stop = threading.Event()
+    threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
+    integral, samples, most = 0.0, 0, 0.0
+    last_t, last_busy = time.monotonic(), total - float(ray.available_resources().get(SLOT, 0.0))
+    ready.touch()
+    while not stop.wait(PERIOD_S):
+        now = time.monotonic()
+        busy = total - float(ray.available_resources().get(SLOT, 0.0))
+        integral += (now - last_t) * (last_busy + busy) / 2  # trapezoids between samples
+        last_t, last_busy = now, busy
+        samples += 1
+        most = max(most, busy)
+    out.write_text(json.dumps({"busy_slot_s": integral, "samples": samples, "most_busy": most, "total": total}))
+    ray.shutdown()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3]))
