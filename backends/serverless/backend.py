@@ -23,11 +23,13 @@ from typing import Any
 import ray
 
 from flowrl.backends.ray.cluster import Session
-from flowrl.backends.serverless.group import Policy, ServerlessGroup, Usage, lost_attempts
+from flowrl.backends.serverless.group import ServerlessGroup
 from flowrl.backends.serverless.instance import SLOT, Build, remote_mailbox
+from flowrl.backends.serverless.ledger import lost_attempts
+from flowrl.backends.serverless.scaling import Policy
 from flowrl.errors import Diagnostic, FlowError
 from flowrl.ir.graph import Graph, Range
-from flowrl.runtime.protocol import WorkerGroup
+from flowrl.runtime.protocol import Usage, WorkerGroup
 
 ABLATE = ("predict", "assign", "dedup", "migrate", "scale", "prewarm")
 

@@ -12,7 +12,7 @@ Every instance then prefills only its prompts' rests (flowrl.engines.prefill), s
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +21,9 @@ import ray
 from flowrl.elastic.prefill import hand_over, share_prefixes
 from flowrl.engines.prefill import Prefixes, merge
 from flowrl.engines.trie import plan_of
+from flowrl.ir.attrs import GenerateAttrs
+from flowrl.runtime import dispatch
+from flowrl.runtime.batch import Batch
 from flowrl.runtime.worker import ModelWorker, PromptEncoder
 
 UNMEASURED_PATIENCE_S = 1.0  # how long a taker waits for an owner before the recompute time is measured
@@ -99,6 +102,43 @@ def plan_shares(encoder: PromptEncoder, texts: Sequence[str], max_tokens: int, m
     if measured.handover_s is not None:
         decided["handover_est_s"] = measured.handover_s
     return out, decided
+
+
+def shares_for(plan: dispatch.Plan, encoders: Mapping[str, PromptEncoder], mode: str, measured: Measured,
+               new_box: Callable[[], str], mailbox: Any) -> tuple[list[Share], str, dict[str, float]]:
+    """A generation call's deduplicated prefill, on the driver: each instance's `Share`, the box owners offer
+    prefixes in, and what was decided (the step's metrics, unprefixed) -> ([], "", {}) when it does not apply:
+    not a generation, share-prefix off, vLLM (no encoder), `dedup_prefill = "off"`, no shared prefix."""
+    if plan.method != "generate" or not plan.calls or len(plan.calls[0].args) < 3:
+        return [], "", {}
+    model, _, attrs = plan.calls[0].args[:3]
+    a = GenerateAttrs.of(attrs)
+    if model not in encoders or not a.share_prefix or mailbox is None:
+        return [], "", {}
+    shards = [c.args[1] for c in plan.calls]
+    if not all(isinstance(b, Batch) and "prompt" in b.meta for b in shards):
+        return [], "", {}
+    box = new_box()
+    shares, decided = plan_shares(encoders[model], [t for b in shards for t in b.meta["prompt"]], a.max_tokens,
+                                  a.prefix_min_len, [b.size for b in shards], mode, measured, box, mailbox)
+    if not decided["prefixes"]:
+        return [], "", {}
+    return shares, box, decided
+
+
+def learned(measured: Measured, stats: Sequence[Mapping[str, float]]) -> dict[str, float]:
+    """What the instances' deduplicated prefill measured: taught to `measured` (the next decision's rates) ->
+    the step's metrics (prefix tokens computed, saved against every prompt prefilling its prefix, handed over;
+    unprefixed; {} without stats)."""
+    if not stats:
+        return {}
+    measured.learn(stats)
+    computed = sum(s["prefill_tokens"] for s in stats)
+    out = {"computed_tokens": computed, "saved_tokens": sum(s["skipped_tokens"] for s in stats) - computed,
+           "prefill_s": sum(s["prefill_s"] for s in stats)}
+    for key in ("handover_tokens", "handover_bytes", "handover_s", "handover_missed"):
+        out[key] = sum(s[key] for s in stats)
+    return out
 
 
 def resolve(worker: ModelWorker, model: str, share: Share) -> tuple[Prefixes | None, dict[str, float]]:

@@ -18,7 +18,7 @@ from typing import Any
 
 from flowrl.ir.graph import Graph
 from flowrl.runtime.controller import Span
-from flowrl.runtime.protocol import WorkerGroup
+from flowrl.runtime.protocol import Usage, WorkerGroup
 
 PREFIX = "cost/"
 
@@ -59,7 +59,7 @@ class CostMeter:
         self.last = clock  # perf_counter when the previous step ended (or the groups were up)
         self.first = True
 
-    def step(self, spans: Sequence[Span], now: float, usage: Sequence[Any] | None = None) -> dict[str, float]:
+    def step(self, spans: Sequence[Span], now: float, usage: Sequence[Usage] | None = None) -> dict[str, float]:
         """The step's figures; `usage`: an elastic backend's instance tasks in the step (`Backend.usage()`),
         None for fixed pools."""
         wall = now - self.last
@@ -83,8 +83,7 @@ class CostMeter:
         self.first = False
         return out
 
-
-    def _elastic(self, usage: Sequence[Any]) -> dict[str, float]:
+    def _elastic(self, usage: Sequence[Usage]) -> dict[str, float]:
         """Elastic pools hold a device only while an instance runs: held = the instances' task time (building
         the models on a cold start, loading newer weights, a pre-warmed instance's wait for its call, running),
         busy = running, idle = the waits. `prewarmed_s`: what pre-warmed instances held before their call came;
@@ -154,7 +153,7 @@ def summary(rows: Sequence[Mapping[str, Any]], pools: Sequence[Pool], gpu_hour: 
     return out
 
 
-def instance_spans(usage: Sequence[Any], step: int, t0_wall: float) -> list[Span]:
+def instance_spans(usage: Sequence[Usage], step: int, t0_wall: float) -> list[Span]:
     """An elastic backend's instance tasks as trace spans, one track per pool (`POOL instances`): where device
     time goes, beside the nodes' own spans."""
     return [Span(f"instance {u.pid}" + (" (lost)" if u.lost_s else " (cold)" if u.cold else "") +

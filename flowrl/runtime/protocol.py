@@ -32,6 +32,36 @@ class RankLostError(RuntimeError):
         self.group = group
 
 
+@dataclass(frozen=True)
+class Usage:
+    """One instance task of an elastic backend (`Backend.usage()`), what the cost report (flowrl.runtime.cost)
+    charges: which pool, when it held its device (wall clock), and how that time went."""
+
+    pool: str  # the placement pool, or the stage kind (generation, inference, training) without one
+    group: str
+    pid: int
+    began: float  # time.time() when the task started
+    start_s: float  # building the models (a cold start; 0 when warm)
+    load_s: float  # loading newer weights (from the object store, or back from host memory to the device)
+    run_s: float  # the method itself
+    cold: bool
+    wait_s: float = 0.0  # a pre-warmed instance's time ready and waiting for its call (idle, held)
+    prewarmed: bool = False  # started ahead of its stage
+    ready_first: bool = False  # pre-warmed and ready before its call came: the stage did not wait for its start
+    served: bool = True  # False: pre-warmed, then not needed (the call came before it was started, or never)
+    lost_s: float = 0.0  # an attempt whose process was lost: from its start to its retry's (the task re-ran)
+
+    @property
+    def held_s(self) -> float:
+        return self.start_s + self.load_s + self.wait_s + self.run_s + self.lost_s
+
+    @property
+    def ahead_s(self) -> float:
+        """Held before the call came: a pre-warmed instance's start-up, loading (a version newer than the one
+        loaded ahead included) and waiting; 0 for an instance started by its call."""
+        return self.start_s + self.load_s + self.wait_s if self.prewarmed else 0.0
+
+
 @dataclass
 class StreamedStage:
     """A fused gen-infer stage a group ran by itself (`WorkerGroup.stream_stage`): the rollout and each forward's
@@ -118,10 +148,9 @@ class Backend(Protocol):
         decisions); {} for the others."""
         ...
 
-    def usage(self) -> Sequence[Any] | None:
-        """The instance tasks an elastic backend ran since the last call (each with `pool`, `began` (wall clock),
-        `held_s`, `start_s`, `load_s`, `run_s`, `cold`), for the cost report; None for a backend whose pools
-        hold their devices the whole run."""
+    def usage(self) -> Sequence[Usage] | None:
+        """The instance tasks an elastic backend ran since the last call, for the cost report; None for a
+        backend whose pools hold their devices the whole run."""
         ...
 
     def shutdown(self) -> None: ...

@@ -87,15 +87,15 @@ def test_generation_is_assigned_by_predicted_length() -> None:
     """Prompts sorted by their past response lengths go to instances in contiguous runs (short first), and the
     rollout comes back in the prompts' own order, each sample's group id naming its prompt."""
     group = ServerlessGroup("gen", "gen", Build((), (), 0, "cpu"), world=2, run_id="t")
-    group.lengths.observe([10, 11, 12, 13], [40.0, 2.0, 30.0, 1.0])
+    group.scaler.lengths.observe([10, 11, 12, 13], [40.0, 2.0, 30.0, 1.0])
     prompts = Batch(4, {}, {"prompt": ["a", "b", "c", "d"], "prompt_id": [10, 11, 12, 13]})
-    args, order = group._ranked(("actor", prompts, {}), 2)
+    args, order = group.scaler.ranked(("actor", prompts, {}), 2)
     assert order == [3, 1, 2, 0] and args[1].meta["prompt_id"] == [13, 11, 12, 10]
     # what the instances return, merged: 2 samples a prompt, group ids in the shuffled order
     gids = torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
     rollout = Batch(8, {"group_id": gids, "response_mask": torch.ones(8, 2)},
                     {"prompt_id": [13, 13, 11, 11, 12, 12, 10, 10]})
-    back = group._learn_and_restore(rollout, order)
+    back = group.scaler.learn_and_restore(rollout, order)
     assert back.meta["prompt_id"] == [10, 10, 11, 11, 12, 12, 13, 13]
     assert back["group_id"].tolist() == [0, 0, 1, 1, 2, 2, 3, 3]
 
@@ -173,7 +173,7 @@ def test_prewarm_hides_a_cold_start(tmp_path: Path, split_grpo: Callable[..., Gr
 
         def reward(prompt: str, response: str, be: ServerlessBackend = be, **_: Any) -> float:
             train = be.groups["train"]
-            if train.offsets and train.policy.prewarm:  # step 2 on: wait for the pre-warmed instance
+            if train.prewarm.offsets and train.policy.prewarm:  # step 2 on: wait for the pre-warmed instance
                 ray.get(train.mailbox.ready.remote(f"{train.key[0]}/train/"), timeout=300)
             return float(sum(c.isdigit() for c in response))
 

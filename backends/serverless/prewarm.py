@@ -1,0 +1,128 @@
+"""Pre-warming a serverless pool from its step history: a timer thread that starts the instances a group's first
+call of a step will want, so that they are ready `margin_s` before the earliest that call has come.
+
+A pre-warmed instance is an `instance.prewarm` task: it builds and loads its models, then waits (holding its
+device, idle) for the call the driver puts in its Mailbox box. The step's first call takes the waiting
+instances (`arrived`); at the next step those it did not take are told they are not needed (`release`), and
+their usage is read once they have returned (`returned`). The timer thread and the controller meet under this
+object's lock.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+
+from flowrl.backends.serverless.instance import Build, remote_prewarm
+from flowrl.elastic.prewarm import prewarm_delay
+from flowrl.runtime.protocol import Usage
+
+
+@dataclass(frozen=True)
+class Warm:
+    """A pre-warmed instance: its mailbox box and its task's results."""
+
+    box: str
+    refs: list[ray.ObjectRef]
+
+
+class Prewarmer:
+    """One pool's pre-warming. `wanted()` gives the model versions an instance started now should load;
+    `options` the task's Ray resources (the same as the pool's other instance tasks)."""
+
+    def __init__(self, key: tuple[str, str], build: Build, mailbox: Any, margin_s: float, enabled: bool,
+                 boxes: Iterator[int], wanted: Callable[[], Mapping[str, Any]], options: Mapping[str, Any]):
+        self.key, self.build, self.mailbox, self.margin_s = key, build, mailbox, margin_s
+        self.enabled = enabled
+        self.boxes, self.wanted, self.options = boxes, wanted, dict(options)
+        self.lock = threading.Lock()  # the timer thread starts instances while the controller calls
+        self.offsets: list[float] = []  # per step: seconds from step start to the group's first call
+        self.needed = 0  # instances the last first call used, when it had to build models (0: all were warm)
+        self.ready_s = 0.0  # how long a cold instance took to build and load (the last measured)
+        self.step_began: float | None = None
+        self.first_pending = False  # the step's first call has not come yet
+        self.timer: threading.Timer | None = None
+        self.warm: list[Warm] = []  # started, waiting for their call
+        self.unused: list[tuple[Warm, str]] = []  # told they are not needed; their usage not yet taken
+        self.first_method = "generate"  # the method of the step's first call (its pool counts unused instances)
+
+    def begin_step(self, began: float) -> None:
+        """A step starts (perf_counter `began`): release instances started for the last one and not used, and
+        when the history says the group's first call has had to build models, start as many instances as it
+        used, timed from the earliest that call has come."""
+        with self.lock:
+            self._release()
+            self.step_began, self.first_pending = began, True
+            delay = prewarm_delay(self.offsets, self.ready_s, self.margin_s)
+            if not self.enabled or self.mailbox is None or delay is None or not self.needed:
+                return
+            self.timer = threading.Timer(delay, self._start, args=(began, self.needed))
+            self.timer.daemon = True
+            self.timer.start()
+
+    def _start(self, began: float, n: int) -> None:
+        with self.lock:
+            if self.step_began != began or not self.first_pending:  # too late: the call came first
+                return
+            wanted = dict(self.wanted())
+            for _ in range(n):
+                box = f"{self.key[0]}/{self.key[1]}/{next(self.boxes)}"
+                started: Any = remote_prewarm.options(**self.options, num_returns=4).remote(
+                    self.key, self.build, wanted, self.mailbox, box)
+                self.warm.append(Warm(box, list(started)))
+
+    def arrived(self, shards: int, method: str) -> tuple[bool, list[Warm]]:
+        """A call comes: (whether it is the step's first, the pre-warmed instances it takes)."""
+        with self.lock:
+            first = self.first_pending
+            if first:
+                self.first_pending = False
+                if self.timer is not None:
+                    self.timer.cancel()
+                if self.step_began is not None:
+                    self.offsets.append(time.perf_counter() - self.step_began)
+            taken, self.warm = self.warm[:shards], self.warm[shards:]
+            if first:
+                self.first_method = method
+            return first, taken
+
+    def learn(self, used: Sequence[Usage], first: bool) -> None:
+        """From a finished call: how long a cold start takes, and whether the step's first call needed one."""
+        cold = [u.start_s + u.load_s for u in used if u.cold]
+        with self.lock:
+            if cold:
+                self.ready_s = max(cold)
+            if first:
+                self.needed = len(used) if cold else 0
+
+    def _release(self) -> None:
+        for w in self.warm:
+            self.mailbox.put.remote(w.box, None)
+            self.unused.append((w, self.first_method))
+        self.warm = []
+
+    def returned(self) -> list[tuple[Mapping[str, Any], str, str]]:
+        """The instances released unused that have returned since the last call: (stats, the method whose pool
+        counts them, box)."""
+        with self.lock:
+            if not self.unused:
+                return []
+            done, _ = ray.wait([w.refs[1] for w, _ in self.unused], num_returns=len(self.unused), timeout=0)
+            ready = set(done)
+            back = [(w, method) for w, method in self.unused if w.refs[1] in ready]
+            self.unused = [x for x in self.unused if x[0].refs[1] not in ready]
+        return [(ray.get(w.refs[1]), method, w.box) for w, method in back]
+
+    def close(self) -> None:
+        """Stop pre-warming and release the instances still waiting."""
+        with self.lock:
+            if self.timer is not None:
+                self.timer.cancel()
+            self.step_began = None
+            if self.mailbox is not None:
+                self._release()
