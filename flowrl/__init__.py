@@ -14,6 +14,7 @@ from flowrl.registry import function, reward
 
 if TYPE_CHECKING:
     from flowrl.ir.graph import Graph
+    from flowrl.runtime.batch import Batch
     from flowrl.runtime.protocol import Backend
     from flowrl.runtime.runner import RunResult
 
@@ -48,5 +49,14 @@ def run(graph: Graph, *, backend: str | Backend = "local", backend_options: dict
     return _run(graph, backend=be, **kwargs)
 
 
-__all__ = ["DataError", "Diagnostic", "ExecutionError", "FlowError", "RewardError", "compile_flow",
+def __getattr__(name: str) -> Any:
+    # `flowrl.Batch` is imported on first use, so that `import flowrl` (and the CLI's `check`) stays free of torch.
+    if name == "Batch":
+        from flowrl.runtime.batch import Batch
+
+        return Batch
+    raise AttributeError(f"module 'flowrl' has no attribute {name!r}")
+
+
+__all__ = ["Batch", "DataError", "Diagnostic", "ExecutionError", "FlowError", "RewardError", "compile_flow",
            "function", "load", "reward", "run"]

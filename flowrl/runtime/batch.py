@@ -1,6 +1,9 @@
 """`Batch`: the data that moves between graph nodes — named tensors sharing a sample dimension plus
 per-sample metadata (prompt text, response text, the data row, prompt id). The controller moves batches
 between worker groups without looking inside their tensors.
+
+Public as `flowrl.Batch` / `flowrl.runtime.Batch`: a user step function (`@flowrl.function`) takes one per node
+parameter and returns one (docs/language.md, "User functions").
 """
 
 from __future__ import annotations
@@ -17,7 +20,14 @@ CARRIED = ("response_mask", "group_id")
 
 @dataclass
 class Batch:
-    """`tensors[k].shape[0] == size` and `len(meta[k]) == size` for every key."""
+    """`size` samples: `tensors` maps names to tensors whose first dimension is the sample (`(B,)` per
+    sample, `(B, T)` per response token), `meta` maps names to per-sample Python lists (`prompt`, `response`,
+    `row`: the data set's row, `prompt_id`), and `primary` names the tensor a consumer of this node reads
+    (a `logprobs` node's `logp`, a reward's `scores`, an advantage's `advantages`).
+    `tensors[k].shape[0] == size` and `len(meta[k]) == size` for every key (checked when built).
+
+    Build a node's result with `derive` from one of its inputs (it keeps the samples' `response_mask`,
+    `group_id` and meta), or directly: `Batch(n, {"scores": t}, primary="scores")`."""
 
     size: int
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -55,6 +65,7 @@ class Batch:
         return Batch(self.size, {**kept, **tensors}, dict(self.meta), primary)
 
     def select(self, index: Sequence[int] | torch.Tensor) -> Batch:
+        """The samples at `index` (positions, in that order; repeats allowed), every field kept."""
         idx = torch.as_tensor(index, dtype=torch.long)
         rows = idx.tolist()
         return Batch(
@@ -65,6 +76,7 @@ class Batch:
         )
 
     def slice(self, start: int, stop: int) -> Batch:
+        """Samples `start` to `stop` (exclusive), every field kept."""
         return Batch(
             max(0, min(stop, self.size) - start),
             {k: t[start:stop] for k, t in self.tensors.items()},
@@ -104,6 +116,7 @@ class Batch:
         return Batch(sum(b.size for b in batches), tensors, meta, batches[0].primary)
 
     def nbytes(self) -> int:
+        """Bytes held by the tensors (meta not counted)."""
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
 

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from flowrl.algos import gae, grpo_advantages, kl, reinforce_pp_returns, rloo_advantages, whiten
-from flowrl.errors import Diagnostic, RewardError
+from flowrl.errors import Diagnostic, ExecutionError, RewardError
 from flowrl.ir.signatures import PASS_KEYS
 from flowrl.registry import FUNCTIONS as USER_FUNCTIONS
 from flowrl.registry import RewardFn, extra_columns
@@ -104,8 +104,22 @@ def call_function(name: str, inputs: Mapping[str, Batch], attrs: Mapping[str, An
         raise KeyError(f"no step function named {name!r}")
     out = fn(**inputs, **kwargs)
     if not isinstance(out, Batch):
-        raise TypeError(f"step function {name!r} returned {type(out).__name__}, expected flowrl Batch")
+        raise ExecutionError(Diagnostic(f"step function '{name}' returned {type(out).__name__}, expected a "
+                                        "flowrl.Batch", hint=_make_batch_hint(inputs)))
+    sizes = {b.size for b in inputs.values()}
+    if len(sizes) == 1 and out.size not in sizes:  # inputs of several sizes (prompts and samples): no one answer
+        raise ExecutionError(Diagnostic(f"step function '{name}' returned a Batch of {out.size} samples for "
+                                        f"inputs of {sizes.pop()}", hint="one row per sample of its inputs, in their order"))
     return out
+
+
+def _make_batch_hint(inputs: Mapping[str, Batch]) -> str:
+    """How to wrap a tensor in a Batch, written with the function's own first input's name."""
+    first = next(iter(inputs), "scores")
+    return (f"wrap the tensor in a Batch of the same samples: `return {first}.derive(\"advantages\", "
+            f"advantages=tensor)` (keeps their masks, groups and meta; the first argument names the field the next "
+            f"node reads), or `flowrl.Batch({first}.size, {{\"advantages\": tensor}}, primary=\"advantages\")`; "
+            "see docs/language.md, User functions")
 
 
 def score_rollout(name: str, reward: RewardFn, rollout: Batch) -> Batch:
