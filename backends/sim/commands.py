@@ -44,7 +44,7 @@ def add_verbs(verb: Verb) -> None:
     c = verb("plan", "Search per-stage plans (placement, pool sizes, TP/PP/DP, micro-batches) for a flow on a "
              "described cluster and print the best with predicted time and cost.",
              "flowrl plan examples/ppo_arith.flow --cluster h100:128 --model actor=llama-2-70b "
-             "--model critic=llama-2-13b --prompts 512 --max-tokens 1024")
+             "--model critic=llama-2-13b --prompts 512 --samples 1 --max-tokens 1024")
     _workload_args(c)
     c.add_argument("--objective", default="time", choices=["time", "cost"])
     c.add_argument("--top", type=int, default=5)
@@ -134,13 +134,26 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             base = results[0]
             print(f"\nagainst {base.policy}:")
             for r in results[1:]:
-                print(f"  {r.policy:<10} step {base.step_s / r.step_s:.2f}x faster, "
-                      f"{1 - r.held_s / base.held_s:.1%} fewer device-seconds")
+                print(f"  {r.policy:<10} {versus(base.step_s, r.step_s, base.held_s, r.held_s)}")
     if args.out:
         for r in results:
             out = args.out if len(results) == 1 else f"{args.out}/{r.policy}"
             print(f"wrote {write_trace(r, out)}")
     return 0
+
+
+def versus(base_step: float, step: float, base_held: float, held: float) -> str:
+    """One policy against the first: 'step 1.42x faster, 29.5% fewer device-seconds'; slower and more said as
+    such, and 'same' where the printed figure would be 1.00x or 0.0%."""
+    speed = base_step / step
+    if f"{speed:.2f}" == "1.00":
+        pace = "same step time"
+    else:
+        pace = f"step {speed:.2f}x faster" if speed > 1 else f"step {1 / speed:.2f}x slower"
+    saved = 1 - held / base_held
+    if f"{abs(saved):.1%}" == "0.0%":
+        return f"{pace}, same device-seconds"
+    return f"{pace}, {abs(saved):.1%} {'fewer' if saved > 0 else 'more'} device-seconds"
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:

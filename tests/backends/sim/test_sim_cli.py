@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from flowrl.backends.sim.commands import versus
 from flowrl.backends.sim.costs import CostModel
 from flowrl.backends.sim.hardware import load_cluster
 from flowrl.backends.sim.plan import best, plans
@@ -41,6 +42,13 @@ def test_simulate_compares_policies_and_writes_traces(tmp_path: Path, capsys: py
     _, names = load_spans(tmp_path / "rlhfless")
     assert {"generation", "generation instances", "inference", "training"} <= set(names.values())
     assert main(["timeline", str(tmp_path / "rlhfless"), "-o", str(tmp_path / "t.png")]) == 0
+
+
+def test_the_comparison_says_faster_slower_fewer_more_or_same() -> None:
+    assert versus(1.0, 0.5, 10.0, 7.0) == "step 2.00x faster, 30.0% fewer device-seconds"
+    assert versus(1.0, 4.0, 10.0, 25.0) == "step 4.00x slower, 150.0% more device-seconds"
+    # what would print as 1.00x and -0.0% is the same
+    assert versus(1.0, 1.001, 10.0, 10.0004) == "same step time, same device-seconds"
 
 
 def test_simulated_cost_sums_equal_the_trace_spans(tmp_path: Path):
