@@ -8,10 +8,9 @@
   slots), the others' unfinished samples migrate to them with their KV cache, and the freed devices start the
   forwards over finished samples. Intra-stage: an actor and a critic update train side by side in the fused
   pipeline schedule (flowrl.planner.fuse_schedule), their time scaled by its makespan over the two run apart.
-- `rlhfless`: the serverless backend's own policy functions (flowrl.elastic, imported, not copied): each
-  prompt's length predicted from its history, the instance count chosen by the cost-weighted argmin, prompts
-  given out in length-ranked runs, cut-and-migrate at `tau`. Instances hold devices from their (pre-warmed)
-  start to their release; forwards and updates hold all devices only while they run.
+- `rlhfless` (rlhfless.py): the serverless backend's decisions by its own flowrl.elastic calls: lengths
+  predicted from history, the cost-weighted instance count on the measured decode curve, length-ranked runs,
+  cut-and-migrate to the sink at `tau`, the deduplicated prefill and history-based pre-warming.
 - `pipe-rlhf`: Pipe-RLHF as its abstract describes it: the devices split between a rollout pool and a train
   pool (the split searched per flow), generation pipelined across batches (modelled as bubble-free, i.e. the
   pool's instances at full throughput), and one-step-off asynchronous PPO: a step lasts the longer of the two
@@ -28,14 +27,7 @@ from flowrl.backends.sim.costs import CostModel, Row
 from flowrl.backends.sim.generation import Gen, GenResult, Instance, Seq
 from flowrl.backends.sim.work import FlowWork
 from flowrl.backends.sim.workload import Step
-from flowrl.elastic import (
-    DecodeCurve,
-    LengthPredictor,
-    choose_instances,
-    migration_target,
-    ranked_runs,
-    should_migrate,
-)
+from flowrl.elastic import migration_target
 from flowrl.errors import Diagnostic, FlowError
 from flowrl.planner.fuse_schedule import Problem, lower_bound, solve
 
@@ -79,6 +71,8 @@ class Options:
     rt: float = 0.2  # rlhfuse: migration when this fraction of samples is unfinished
     window: int = 4  # rlhfless: EWMA window of the length predictor
     prewarm: bool = True  # rlhfless: instances start before the stage (from the step history)
+    margin_s: float = 0.05  # rlhfless: pre-warmed instances are ready this long before the stage's earliest start
+    dedup: str = "auto"  # rlhfless: deduplicated prefill, auto | handover | local | off (as `run { dedup_prefill }`)
     rollout_devices: int | None = None  # pipe-rlhf: the rollout pool (None: searched)
     colocated_memory: float = 0.5  # serverful, rlhfuse: generation's share of a device training also holds
     # (verl's default rollout gpu_memory_utilization); dedicated generation devices use 0.9
@@ -149,11 +143,13 @@ def gen_spans(track: str, node: str, gen: GenResult, tp: int) -> list[Span]:
 
 def forwards_and_updates(cost: CostModel, work: FlowWork, seqs: list[Seq], devices: int, t: float,
                          track: str, fwd_track: str | None = None, train_scale: float = 1.0,
-                         forwards: bool = True) -> tuple[float, float, float, list[Span]]:
-    """Run every forward (unless not `forwards`), then every update, over `devices` from time t: (end of forwards,
-    end, busy seconds, spans)."""
-    rows, spans, t_start = rows_of(seqs), [], t
-    if work.controller_s:  # rewards and functions, the controller's (measured) share of the step
+                         forwards: bool = True, updates: bool = True,
+                         controller: bool = True) -> tuple[float, float, float, list[Span]]:
+    """Run the controller's nodes, every forward, then every update (each part unless switched off) over
+    `devices` from time t: (end of forwards, end, busy seconds, spans)."""
+    rows, t_start = rows_of(seqs), t
+    spans: list[Span] = []
+    if work.controller_s and controller:  # rewards and functions, the controller's (measured) share of the step
         spans.append(Span("controller", ", ".join(work.controller), "reward", t, t + work.controller_s * len(seqs)))
         t = spans[-1].end
     for f in work.forwards if forwards else ():
@@ -161,7 +157,7 @@ def forwards_and_updates(cost: CostModel, work: FlowWork, seqs: list[Seq], devic
         spans.append(Span(fwd_track or track, f.node, f.op, t, t + d))
         t += d
     fwd_end = t
-    for call in work.update_calls():  # a fused group is one call, its models' work summed
+    for call in work.update_calls() if updates else ():  # a fused group is one call, its models' work summed
         d = sum(cost.train_s(work.shapes[u.model], rows, devices, u.epochs, u.mini_batches,
                              share_prefix=u.share_prefix) for u in call)
         d *= train_scale
@@ -280,79 +276,6 @@ class RLHFuse(Serverful):
                            "train_scale": scale})
 
 
-class RLHFless(Serverful):
-    name = "rlhfless"
-
-    def memory_share(self) -> float:
-        return 0.9  # instances hold their devices alone
-
-    def __init__(self, cost: CostModel, work: FlowWork, opts: Options):
-        super().__init__(cost, work, opts)
-        self.predictor = LengthPredictor(window=opts.window)
-        self.steps = 0
-        self.started = 0  # instances ever started: their processes stay warm, weights in host memory
-
-    def curve(self, context: float) -> DecodeCurve:
-        shape = self.work.shapes[self.work.generate.model]
-        sizes = sorted({1, 2, 4, 8, 16, 32, 64, 128, 256, 512, self.slots} & set(range(1, self.slots + 1)))
-        return DecodeCurve({b: self.cost.decode_iter(shape, b, b * context, self.tp) for b in sizes})
-
-    def step(self, step: Step) -> StepResult:
-        shape = self.work.shapes[self.work.generate.model]
-        seqs = seqs_of(step)
-        ids = [w.prompt_id for w in step]
-        predicted = self.predictor.predict(ids, fallback=self.work.max_tokens / 2)
-        # an instance starts by moving its weights from host memory and receiving the newest from the learner; a
-        # process never started before first starts its engine (cold)
-        load = self.cost.weight_sync_s(shape, 1, colocated=False) + shape.weight_bytes / self.tp / \
-            self.cost.f.host_bw
-        cold = self.cost.f.cold_start_s
-        profiles = self.predictor.predict_profiles(ids, self.work.samples, fallback=self.work.max_tokens / 2)
-        choice = choose_instances(predicted, self.work.samples, range(1, self.instances + 1),
-                                  self.curve(sum(w.prompt_len for w in step) / len(step) +
-                                             sum(predicted) / len(predicted) / 2),
-                                  self.opts.cost_weight, start_s=load, profiles=profiles)
-        n = choice.chosen.instances
-        by_prompt: dict[int, list[Seq]] = {}
-        for s in seqs:
-            by_prompt.setdefault(s.prompt, []).append(s)
-        plan = [[s for i in run for s in by_prompt[ids[i]]] for run in ranked_runs(predicted, n)]
-        colds = max(0, n - self.started)
-        self.started = max(self.started, n)
-        # pre-warming starts instances the step's history says will be needed before the stage begins, so only
-        # the first step (no history) waits for its starts
-        hidden = self.opts.prewarm and self.steps > 0
-        t0 = 0.0 if hidden else load + (cold if colds else 0.0)
-        gen = Gen(self.cost, shape, self.tp, self.slots, plan, [t0] * len(plan))
-
-        def hook(g: Gen, inst: Instance, now: float) -> None:
-            unfinished = len(inst.running) + len(inst.queue)
-            if inst.migrated_out or not should_migrate(inst.finished, inst.finished + unfinished, self.opts.tau):
-                return
-            free = {i.iid: g.free_slots(i) for i in g.inst if i.active}
-            target = migration_target(free, inst.iid, unfinished)
-            if target is not None:
-                g.migrate(inst, g.inst[target], now)
-
-        gen.hook = hook
-        res = gen.run()
-        fwd_end, end, _, spans = forwards_and_updates(self.cost, self.work, seqs, self.devices, res.end, "training",
-                                                      fwd_track="inference")
-        starting = (load * len(res.instances) + cold * colds) * self.tp  # held while starting, hidden or not
-        gen_held = sum(((i.released or i.start) - i.start) * self.tp for i in res.instances) + starting
-        pools = {"generation": PoolUse(self.instances * self.tp, gen_held, sum(i.busy for i in res.instances) *
-                                       self.tp, starting),
-                 "inference": PoolUse(self.devices, (fwd_end - res.end) * self.devices,
-                                      (fwd_end - res.end) * self.devices),
-                 "training": PoolUse(self.devices, (end - fwd_end) * self.devices, (end - fwd_end) * self.devices)}
-        self.predictor.observe([s.prompt for s in seqs], [s.length for s in seqs])
-        self.steps += 1
-        return StepResult(end, pools, [*gen_spans("generation", self.work.generate.node, res, self.tp), *spans],
-                          {"gen_s": res.end - t0, "after_gen_s": end - res.end, "instances": n,
-                           "migrations": len(res.migrations), "cold_starts": colds, "start_wait_s": t0,
-                           "predicted_T": choice.chosen.time_s, "predicted_C": choice.chosen.device_s})
-
-
 class PipeRLHF(Serverful):
     name = "pipe-rlhf"
 
@@ -404,7 +327,10 @@ class PipeRLHF(Serverful):
 
 
 def make(name: str, cost: CostModel, work: FlowWork, opts: Options) -> Serverful:
-    classes = {"serverful": Serverful, "rlhfuse": RLHFuse, "rlhfless": RLHFless, "pipe-rlhf": PipeRLHF}
+    from flowrl.backends.sim.rlhfless import RLHFless  # it builds on Serverful, here
+
+    classes: dict[str, type[Serverful]] = {"serverful": Serverful, "rlhfuse": RLHFuse, "rlhfless": RLHFless,
+                                           "pipe-rlhf": PipeRLHF}
     if name not in classes:
         raise FlowError(Diagnostic(f"no simulator policy {name!r}", hint=f"one of {', '.join(POLICIES)}"))
     return classes[name](cost, work, opts)

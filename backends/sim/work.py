@@ -23,7 +23,7 @@ class Call:
     epochs: int = 1
     mini_batches: int = 1
     fusion: str | None = None  # updates of one intra-stage fusion group run as one call
-    share_prefix: bool = False  # a prompt's samples share its prefix (pass share-prefix)
+    share_prefix: bool = False  # a prompt's samples share its prefix (pass share-prefix); generate: prompts' too
 
 
 @dataclass(frozen=True)
@@ -77,7 +77,7 @@ def flow_work(graph: Mapping[str, Any], overrides: Mapping[str, ModelShape] | No
         if n.get("worker_group") == "controller":
             ctrl.append(str(n["id"]))
         elif op == "generate":
-            gens.append((Call(n["id"], op, model), attrs))
+            gens.append((Call(n["id"], op, model, share_prefix=bool(attrs.get("share_prefix"))), attrs))
         elif op in FORWARD_OPS and model:
             fwds.append(Call(n["id"], op, model, share_prefix=bool(attrs.get("share_prefix"))))
         elif op == "update" and model:

@@ -28,6 +28,7 @@ class PromptWork:
     prompt_id: int
     prompt_len: int
     responses: tuple[int, ...]  # one length per sample
+    prefix_len: int = 0  # prompt tokens it shares with other prompts of the step (one prefix per length)
 
 
 Step = tuple[PromptWork, ...]

@@ -9,17 +9,36 @@ policy is measured in both places. Nothing here touches a device, a process or a
 - `migrate`: when an instance's unfinished sequences move (cut-and-migrate) and to which instance;
 - `prewarm`: when to start a stage's instances so that they are ready before it starts;
 - `prefill`: which instance computes a prompt prefix shared across instances, and whether the others take its
-  keys and values or compute it themselves (deduplicated prefill).
+  keys and values or compute it themselves (deduplicated prefill);
+- `plan`: one generation's decisions put together (instance count, runs, migration sink) and what a finished
+  generation teaches the next (the decode curve), as the backend and the simulator both take them.
 Imports only the standard library.
 """
 
-from flowrl.elastic.assign import ranked_runs
+from flowrl.elastic.assign import ranked_runs, split_runs
 from flowrl.elastic.migrate import migration_target, should_migrate
+from flowrl.elastic.plan import (
+    GenerationPlan,
+    learn_decode,
+    migration_sink,
+    plan_generation,
+    predictions,
+    start_overhead,
+)
 from flowrl.elastic.predict import LengthPredictor, spearman
-from flowrl.elastic.prefill import PrefixShare, hand_over, share_prefixes
-from flowrl.elastic.prewarm import prewarm_delay
+from flowrl.elastic.prefill import (
+           HandOver,
+           PrefillRates,
+           PrefixShare,
+           decide_hand_over,
+           hand_over,
+           share_prefixes,
+)
+from flowrl.elastic.prewarm import learn_start, prewarm_delay, prewarm_plan
 from flowrl.elastic.scale import Candidate, DecodeCurve, ScaleChoice, choose_instances, estimate
 
-__all__ = ["Candidate", "DecodeCurve", "LengthPredictor", "PrefixShare", "ScaleChoice", "choose_instances", "estimate",
-           "hand_over", "migration_target", "prewarm_delay", "ranked_runs", "share_prefixes", "should_migrate",
-           "spearman"]
+__all__ = ["Candidate", "DecodeCurve", "GenerationPlan", "HandOver", "LengthPredictor", "PrefillRates", "PrefixShare",
+           "ScaleChoice", "choose_instances", "decide_hand_over", "estimate", "hand_over", "learn_decode",
+           "learn_start", "migration_sink", "migration_target", "plan_generation", "predictions", "prewarm_delay",
+           "prewarm_plan", "ranked_runs", "share_prefixes", "should_migrate", "spearman", "split_runs",
+           "start_overhead"]

@@ -19,3 +19,25 @@ def prewarm_delay(offsets: Sequence[float], ready_s: float, margin_s: float = MA
     if not offsets:
         return None
     return max(0.0, min(offsets) - margin_s - ready_s)
+
+
+def prewarm_plan(offsets: Sequence[float], ready_s: float, needed: int, margin_s: float = MARGIN_S,
+                 enabled: bool = True) -> tuple[float, int] | None:
+    """(seconds after the step's start, instances) to pre-warm for a stage's first call, or None: pre-warming
+    off, no history, or the last first call found every instance it used warm (`needed` 0)."""
+    delay = prewarm_delay(offsets, ready_s, margin_s)
+    if not enabled or delay is None or needed < 1:
+        return None
+    return delay, needed
+
+
+def learn_start(ready_s: float, needed: int, cold_ready_s: Sequence[float], instances: int,
+                first: bool) -> tuple[float, int]:
+    """(ready_s, needed) after a call finished: `cold_ready_s` holds, per instance that had to build its models,
+    its build and load seconds (the longest is the new `ready_s`); the step's first call sets `needed` to the
+    instances it used when any of them was cold, else 0."""
+    if cold_ready_s:
+        ready_s = max(cold_ready_s)
+    if first:
+        needed = instances if cold_ready_s else 0
+    return ready_s, needed

@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 
 import flowrl.elastic
-from flowrl.backends.sim import policies
+from flowrl.backends.sim import policies, rlhfless
 from flowrl.backends.sim.costs import CostModel, Factors
 from flowrl.backends.sim.generation import Gen, Instance, Seq
 from flowrl.backends.sim.hardware import load_cluster
@@ -143,19 +143,22 @@ def test_rlhfless_holds_generation_devices_only_while_instances_work():
 
 def test_rlhfless_runs_the_serverless_backends_own_policy_functions():
     # imported from flowrl.elastic, not copied: the simulator and the serverless backend run one policy
-    for name in ("choose_instances", "ranked_runs", "should_migrate", "migration_target", "LengthPredictor"):
-        assert getattr(policies, name) is getattr(flowrl.elastic, name)
+    for name in ("plan_generation", "predictions", "learn_decode", "should_migrate", "prewarm_plan", "learn_start",
+                 "share_prefixes", "decide_hand_over", "LengthPredictor"):
+        assert getattr(rlhfless, name) is getattr(flowrl.elastic, name)
 
 
-def test_rlhfless_chooses_what_the_scaler_chooses_and_assigns_by_predicted_rank():
+def test_rlhfless_uses_all_instances_until_it_measured_a_generation_then_the_cost_weighted_choice():
     cost = ToyCost(devices=4)
-    pol = policies.RLHFless(cost, work(), policies.Options(gen_tp=1, cost_weight=0.0, tau=1.0))
-    pol.step(STEP)  # learns the lengths
-    pol.predictor.ewma  # noqa: B018 (the first step taught it every prompt)
-    predicted = pol.predictor.predict([w.prompt_id for w in STEP], fallback=4.0)
+    pol = rlhfless.RLHFless(cost, work(), policies.Options(gen_tp=1, cost_weight=0.0, tau=1.0))
+    first = pol.step(STEP)
+    assert first.notes["instances"] == 4 and "predicted_T" not in first.notes  # no measured curve yet
+    assert pol.decode  # the simulated instances' run times taught the curve, as the backend's do
+    predicted = pol.predictor.predict([w.prompt_id for w in STEP], fallback=0.0)
+    profiles = pol.predictor.predict_profiles([w.prompt_id for w in STEP], 1, fallback=0.0)
+    expect = flowrl.elastic.choose_instances(predicted, 1, range(1, 5), flowrl.elastic.DecodeCurve(pol.decode),
+                                             0.0, start_s=pol.overhead_s, profiles=profiles)
     res = pol.step(STEP)
-    curve = pol.curve(sum(w.prompt_len for w in STEP) / 4 + sum(predicted) / 4 / 2)
-    expect = flowrl.elastic.choose_instances(predicted, 1, range(1, 5), curve, 0.0, start_s=0.0)
     assert res.notes["instances"] == expect.chosen.instances
     assert res.notes["predicted_T"] == pytest.approx(expect.chosen.time_s)
 

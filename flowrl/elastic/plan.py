@@ -1,0 +1,90 @@
+"""One generation's decisions on an elastic pool (flowrl.elastic), as the serverless backend and the simulator
+both take them: how many instances, which prompts each holds, which one takes the others' migrated tails, and
+what a finished generation teaches the next decision.
+
+`plan_generation` is the pure part of the serverless backend's `Scaler.shards` (backends/serverless/scaling.py)
+and `migrate` role choice: with a pool of `world` instances and a measured decode curve it takes the cost-aware
+count (`choose_instances`), without one (the first step) all `world`; the prompts go out in length-ranked runs
+(`ranked_runs`, cut where `Batch.split` cuts the reordered batch, so the runs are the shards), or in data order
+when assignment is off; with more than one instance and `tau` < 1 the *sink* is the instance holding the most
+predicted work (the last ranked run: it holds its device longest anyway). `learn_decode` is the pure part of
+`Scaler.measure`: seconds per decode step by the samples an instance decoded, an even EWMA of what each finished
+instance measured (its run time over its longest response).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from flowrl.elastic.assign import ranked_runs, split_runs
+from flowrl.elastic.predict import LengthPredictor
+from flowrl.elastic.scale import DecodeCurve, ScaleChoice, choose_instances
+
+
+@dataclass(frozen=True)
+class GenerationPlan:
+    instances: int
+    runs: tuple[tuple[int, ...], ...]  # per instance, positions in the step's prompts, in the order it holds them
+    ranked: bool  # the runs follow the length order (the backend reorders the batch)
+    sink: int | None  # the instance migrated tails go to (None: no cut-and-migrate)
+    choice: ScaleChoice | None  # the cost-aware choice (None: no measured curve yet, or scaling off)
+
+
+def predictions(predictor: LengthPredictor, prompt_ids: Sequence[Hashable], samples: int,
+                predict: bool = True) -> tuple[list[float], list[list[float]] | None]:
+    """(each prompt's predicted length, each prompt's predicted sorted sample lengths or None): a prompt never
+    seen falls back to 0 as the backend's does; without prediction every prompt gets the mean so far."""
+    if not predict:
+        return [predictor.mean] * len(prompt_ids), None
+    return predictor.predict(prompt_ids, fallback=0.0), predictor.predict_profiles(prompt_ids, samples, fallback=0.0)
+
+
+def migration_sink(longest: Sequence[float]) -> int | None:
+    """The instance that takes the others' tails: the one whose longest predicted sample is longest (ties: the
+    last, the end of the length order); None for fewer than two instances."""
+    if len(longest) < 2:
+        return None
+    return max(range(len(longest)), key=lambda i: (longest[i], i))
+
+
+def plan_generation(predicted: Sequence[float], samples: int, world: int, decode: Mapping[int, float],
+                    overhead_s: float, weight: float, tau: float, profiles: Sequence[Sequence[float]] | None = None,
+                    *, assign: bool = True, scale: bool = True) -> GenerationPlan:
+    """The generation's instance count, runs and sink (see the module docstring)."""
+    if world < 1:
+        raise ValueError(f"a pool needs at least one instance, got {world}")
+    choice = None
+    n = world
+    if world > 1 and decode and scale:
+        choice = choose_instances(predicted, samples, range(1, world + 1), DecodeCurve(decode), weight,
+                                  start_s=overhead_s, profiles=profiles)
+        n = choice.chosen.instances
+    ranked = world > 1 and assign
+    runs = ranked_runs(predicted, n) if ranked else split_runs(len(predicted), n)
+    sink = None
+    if len(runs) > 1 and tau < 1.0:
+        sink = migration_sink([max(predicted[i] for i in run) for run in runs]) if ranked else len(runs) - 1
+    return GenerationPlan(len(runs), tuple(tuple(r) for r in runs), ranked, sink, choice)
+
+
+def learn_decode(decode: Mapping[int, float], measured: Iterable[tuple[int, int, float]]) -> dict[int, float]:
+    """The decode curve's points after a generation: `measured` has, per instance, (samples it returned, its
+    longest response in tokens, its run seconds); each gives run / max(1, longest) seconds a step at that
+    batch, averaged evenly with the point's old value."""
+    out = dict(decode)
+    for size, steps, run_s in measured:
+        if size < 1:
+            continue
+        per_step = run_s / max(1, steps)
+        old = out.get(size)
+        out[size] = per_step if old is None else 0.5 * old + 0.5 * per_step
+    return out
+
+
+def start_overhead(instances: Sequence[tuple[float, bool]]) -> float:
+    """A generation instance's time beyond its run, as the next choice's `overhead_s`: the mean over the warm
+    instances of (held - run) seconds; `instances` holds (held - run, cold) per instance. 0 when every
+    instance was cold (their build time is not what a warm instance pays)."""
+    warm = [over for over, cold in instances if not cold]
+    return sum(warm) / max(1, len(warm))

@@ -1,0 +1,144 @@
+"""One recorded run fed to the serverless backend's decision code and to the simulator's: the same decisions.
+
+Three recorded steps of seven prompts, two samples each (prompt lengths, response lengths, and the measured
+seconds per decode step at each instance batch; the first step's instances cold). Each step both sides decide
+the generation's instance count, each instance's prompts, the migration sink and the pre-warm plan, then
+learn from what the recorded step measured on the instances they chose. The backend's side is its own code
+(backends/serverless: `Scaler`, `ServerlessGroup._role`, `Prewarmer`), without Ray; the simulator's is
+`backends/sim/rlhfless.py`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from flowrl.backends.serverless.group import ServerlessGroup
+from flowrl.backends.serverless.instance import Build
+from flowrl.backends.serverless.scaling import Policy
+from flowrl.backends.sim import policies
+from flowrl.backends.sim.costs import CostModel, Factors
+from flowrl.backends.sim.hardware import load_cluster
+from flowrl.backends.sim.rlhfless import RLHFless
+from flowrl.backends.sim.shapes import ModelShape
+from flowrl.backends.sim.work import Call, FlowWork
+from flowrl.backends.sim.workload import PromptWork, Step
+from flowrl.elastic import prewarm_plan
+from flowrl.runtime.batch import Batch
+from flowrl.runtime.protocol import Usage
+
+IDS = (10, 11, 12, 13, 14, 15, 16)
+PROMPT_LEN = (24, 23, 25, 24, 22, 24, 23)
+RESPONSES = (  # per step, per prompt: its two samples' response lengths
+    ((3, 5), (30, 12), (8, 8), (40, 38), (2, 1), (16, 20), (6, 4)),
+    ((4, 6), (28, 14), (7, 9), (44, 36), (1, 2), (18, 22), (5, 5)),
+    ((3, 4), (31, 10), (9, 8), (40, 40), (2, 2), (15, 19), (6, 3)),
+)
+# measured seconds a decode step, by an instance's batch (rows decoded together)
+DECODE_S = {2: 0.010, 4: 0.012, 6: 0.020, 8: 0.030, 10: 0.040, 12: 0.050, 14: 0.060}
+COLD_START_S, LOAD_S, OFFSET_S = 2.0, 0.25, 0.02  # a cold instance's build, every instance's load; first call's
+WORLD, SAMPLES = 3, 2
+
+
+def recorded(step: int) -> Step:
+    return tuple(PromptWork(p, n, r) for p, n, r in zip(IDS, PROMPT_LEN, RESPONSES[step], strict=True))
+
+
+def instance_runs(step: int, runs: list[list[int]]) -> list[tuple[int, int, float, float, bool]]:
+    """What the recorded step measured on the instances holding `runs` (prompt positions): per instance
+    (samples, longest response, run seconds, held - run seconds, cold)."""
+    out = []
+    for run in runs:
+        lengths = [n for p in run for n in RESPONSES[step][p]]
+        longest = max(lengths)
+        cold = step == 0
+        out.append((len(lengths), longest, longest * DECODE_S[len(lengths)],
+                    LOAD_S + (COLD_START_S if cold else 0.0), cold))
+    return out
+
+
+def backend_step(group: ServerlessGroup, step: int) -> dict[str, object]:
+    """The backend's decisions for one step, then what it learns from the recorded measurements."""
+    prompts = Batch(len(IDS), {"prompt_ids": torch.arange(len(IDS))[:, None]}, {"prompt_id": list(IDS)})
+    args, world, order, choice = group.scaler.shards(("actor", prompts, {"n": SAMPLES}))
+    positions = order if order is not None else list(range(len(IDS)))
+    shards = [s.size for s in args[1].split(world)]  # what dispatch.plan sends each instance
+    runs, at = [], 0
+    for size in shards:
+        runs.append(positions[at:at + size])
+        at += size
+    roles = [group._role(rank, len(runs), "box") for rank in range(len(runs))]
+    sinks = [rank for rank, r in enumerate(roles) if r is not None and r.sources]
+    decided = {"instances": len(runs), "runs": runs, "sink": sinks[0] if sinks else None,
+               "choice": None if choice is None else (choice.chosen.instances, choice.chosen.time_s,
+                                                      choice.chosen.device_s),
+               "prewarm": prewarm_plan(group.prewarm.offsets, group.prewarm.ready_s, group.prewarm.needed,
+                                       group.prewarm.margin_s, group.prewarm.enabled)}
+    measured = instance_runs(step, runs)
+    results, used = [], []
+    for run, (k, _, run_s, _, cold) in zip(runs, measured, strict=True):
+        lengths = [n for p in run for n in RESPONSES[step][p]]
+        mask = torch.tensor([[1] * n + [0] * (64 - n) for n in lengths])  # (k, 64)
+        results.append(Batch(k, {"response_mask": mask}))
+        used.append(Usage("generation", "actor", 1, 0.0, COLD_START_S if cold else 0.0, LOAD_S, run_s, cold))
+    group.scaler.measure(results, used, choice, max(u.held_s for u in used))
+    ranked = [p for run in runs for p in run]
+    lengths = [n for p in ranked for n in RESPONSES[step][p]]
+    rollout = Batch(len(lengths), {"response_mask": torch.tensor([[1] * n + [0] * (64 - n) for n in lengths]),
+                                   "group_id": torch.tensor([g for g in range(len(ranked)) for _ in range(SAMPLES)])},
+                    {"prompt_id": [IDS[p] for p in ranked for _ in range(SAMPLES)]})
+    group.scaler.learn_and_restore(rollout, order)
+    group.prewarm.offsets.append(OFFSET_S)  # what `arrived` records when the step's first call comes
+    group.prewarm.learn(used, first=True)
+    return decided
+
+
+def sim_step(pol: RLHFless, step: int) -> dict[str, object]:
+    """The simulator's decisions for one step, then what it learns from the same recorded measurements."""
+    plan = pol.decide(recorded(step))
+    pool = pol.pools["generation"]
+    decided = {"instances": plan.instances, "runs": [list(r) for r in plan.runs], "sink": plan.sink,
+               "choice": None if plan.choice is None else (plan.choice.chosen.instances, plan.choice.chosen.time_s,
+                                                           plan.choice.chosen.device_s),
+               "prewarm": pool.plan(pol.opts.margin_s, pol.opts.prewarm)}
+    measured = instance_runs(step, [list(r) for r in plan.runs])
+    pol.learn(recorded(step), measured)
+    pool.learn(OFFSET_S, [over for _, _, _, over, cold in measured if cold], plan.instances)
+    return decided
+
+
+def simulator() -> RLHFless:
+    shape = ModelShape("toy", layers=2, hidden=64, heads=4, kv_heads=4, ffn=256, vocab=100)
+    work = FlowWork("recorded", {"actor": shape}, Call("gen", "generate", "actor"), (), (), len(IDS), SAMPLES, 64)
+    cluster = replace(load_cluster("h100"), nodes=1, per_node=WORLD)
+    opts = policies.Options(gen_tp=1, cost_weight=Policy().cost_weight, tau=Policy().tau,
+                            margin_s=Policy().margin_s, prewarm=Policy().prewarm)
+    return RLHFless(CostModel(cluster, Factors()), work, opts)
+
+
+def test_one_recorded_run_gives_the_backend_and_the_simulator_the_same_decisions() -> None:
+    build = Build(models=(), all_models=(), seed=0, device="cpu")
+    group = ServerlessGroup("actor", None, build, WORLD, "recorded", policy=Policy())
+    pol = simulator()
+    assert pol.instances == WORLD
+    steps = []
+    for step in range(len(RESPONSES)):
+        theirs, ours = backend_step(group, step), sim_step(pol, step)
+        assert ours["instances"] == theirs["instances"], f"step {step}"
+        assert ours["runs"] == theirs["runs"], f"step {step}"
+        assert ours["sink"] == theirs["sink"], f"step {step}"
+        assert ours["prewarm"] == theirs["prewarm"], f"step {step}"
+        if theirs["choice"] is None:
+            assert ours["choice"] is None
+        else:
+            assert ours["choice"] == pytest.approx(theirs["choice"]), f"step {step}"
+        steps.append(ours)
+    # the run exercised every decision: all instances while nothing was measured, then the cost-weighted
+    # choice, a sink, and pre-warming once the history said the first call had cold starts
+    assert steps[0]["choice"] is None and steps[0]["instances"] == WORLD and steps[0]["prewarm"] is None
+    assert steps[1]["choice"] is not None and steps[1]["sink"] is not None
+    assert steps[1]["prewarm"] == pytest.approx((0.0, WORLD))  # offsets 0.02 s leave less than a start: at once
+    assert steps[2]["prewarm"] is None  # the second step's first call found its instances warm
+    assert sorted(p for run in steps[1]["runs"] for p in run) == list(range(len(IDS)))  # type: ignore[union-attr]
