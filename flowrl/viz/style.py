@@ -42,6 +42,8 @@ OP_COLORS: dict[str, str] = {
     "reward": "#e8590c",
     "fn": "#d6336c",
     "update": "#5f3dc4",
+    "instance": "#66d9e8",  # a serverless / simulated generation instance's lifetime
+    "sync": "#495057",  # a weight sync between groups
 }
 OTHER_OP_COLOR = "#adb5bd"
 

@@ -2,12 +2,14 @@
 
 The trace holds Chrome "X" events (microseconds) named by node id, with `cat` = op, `tid` = worker group
 (named by thread_name metadata) and `args.step`; this draws the last few steps of it with matplotlib.
+Spans of one track that overlap in time (a pool's instances, all started at once) are drawn in lanes, one
+above the other, so no bar hides another and each label sits inside its own bar or is left out.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +27,7 @@ class Bar:
     step: int
     start: float  # seconds since the first drawn span
     dur: float
+    lane: int = 0  # 0 for the track's first lane; overlapping spans of one track take the next free lane
 
 
 def load_spans(run_dir: str | Path) -> tuple[list[dict[str, Any]], dict[int, str]]:
@@ -56,9 +59,23 @@ def bars(spans: list[dict[str, Any]], last_steps: int) -> list[Bar]:
     steps = sorted({int(e["args"]["step"]) for e in spans})[-last_steps:]
     kept = [e for e in spans if int(e["args"]["step"]) in steps]
     t0 = min(float(e["ts"]) for e in kept)
-    return sorted((Bar(str(e["name"]), str(e.get("cat", "")), int(e.get("tid", 0)), int(e["args"]["step"]),
-                       (float(e["ts"]) - t0) / 1e6, float(e.get("dur", 0.0)) / 1e6) for e in kept),
-                  key=lambda b: (b.start, b.row, b.node))
+    return in_lanes([Bar(str(e["name"]), str(e.get("cat", "")), int(e.get("tid", 0)), int(e["args"]["step"]),
+                         (float(e["ts"]) - t0) / 1e6, float(e.get("dur", 0.0)) / 1e6) for e in kept])
+
+
+def in_lanes(drawn: list[Bar]) -> list[Bar]:
+    """The bars by start time, each in the lowest lane of its track free when it starts (greedy interval
+    partitioning: a track gets as many lanes as it has spans open at one time). Bars that touch share a lane."""
+    ends: dict[int, list[float]] = {}  # track -> when each of its lanes is free again
+    out = []
+    for b in sorted(drawn, key=lambda b: (b.start, b.row, b.node)):
+        lanes = ends.setdefault(b.row, [])
+        free = next((i for i, end in enumerate(lanes) if end <= b.start + 1e-9), len(lanes))
+        if free == len(lanes):
+            lanes.append(0.0)
+        lanes[free] = b.start + b.dur
+        out.append(replace(b, lane=free))
+    return out
 
 
 def timeline(run_dir: str | Path, output: str | Path, last_steps: int = 3) -> Path:
@@ -73,35 +90,75 @@ def timeline(run_dir: str | Path, output: str | Path, last_steps: int = 3) -> Pa
     spans, names = load_spans(run_dir)
     drawn = bars(spans, last_steps)
     out.parent.mkdir(parents=True, exist_ok=True)
-    _plot(drawn, names, out, Path(run_dir).name or str(run_dir))
+    fig = figure(drawn, names, Path(run_dir).name or str(run_dir))
+    fig.savefig(out)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
     return out
 
 
-def _plot(drawn: list[Bar], names: dict[int, str], out: Path, title: str) -> None:
+@dataclass(frozen=True)
+class Track:
+    """Where a track's bars go on the y axis: its lanes share the band [bottom + PAD, bottom + height - PAD]."""
+
+    bottom: float
+    height: float
+    lanes: int
+
+    def lane(self, lane: int) -> tuple[float, float]:
+        """(centre, bar height) of a lane; lane 0 on top."""
+        band = self.height - 2 * PAD
+        step = band / self.lanes
+        top = self.bottom + self.height - PAD
+        return top - (lane + 0.5) * step, (step * 0.85 if self.lanes > 1 else band)
+
+
+PAD = 0.2  # between a track's bars and the next track, in y units (a one-lane track is 1 unit, bars 0.6)
+
+
+def tracks(drawn: list[Bar]) -> dict[int, Track]:
+    """The y layout: the first track (the controller) on top; a track of n lanes is taller, up to 4 units."""
+    lanes: dict[int, int] = {}
+    for b in drawn:
+        lanes[b.row] = max(lanes.get(b.row, 0), b.lane + 1)
+    out, bottom = {}, 0.0
+    for row in sorted(lanes, reverse=True):
+        height = min(4.0, max(1.0, 0.4 + 0.35 * lanes[row]))  # labels fit lanes up to ~10
+        out[row] = Track(bottom, height, lanes[row])
+        bottom += height
+    return out
+
+
+def figure(drawn: list[Bar], names: dict[int, str], title: str) -> Any:
+    """The chart as a matplotlib Figure (the caller saves and closes it): one track per worker group, each
+    bar in its lane, node ids inside the bars they fit in."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
-    rows = sorted({b.row for b in drawn})
-    y = {tid: i for i, tid in enumerate(reversed(rows))}  # the first track (the controller) on top
+    layout = tracks(drawn)
+    top = max(t.bottom + t.height for t in layout.values())
     end = max(b.start + b.dur for b in drawn) or 1.0
-    fig_w = 12.0
-    fig, ax = plt.subplots(figsize=(fig_w, 1.4 + 0.55 * len(rows)), dpi=110)
+    fig, ax = plt.subplots(figsize=(12.0, 1.4 + 0.55 * top), dpi=110)
     min_w = end * 0.002  # a 1 ms data node would be invisible; draw it as a sliver
     for b in drawn:
-        ax.barh(y[b.row], max(b.dur, min_w), left=b.start, height=0.6,
-                color=OP_COLORS.get(b.op, OTHER_OP_COLOR), edgecolor="white", linewidth=0.5)
+        y, h = layout[b.row].lane(b.lane)
+        ax.barh(y, max(b.dur, min_w), left=b.start, height=h, color=OP_COLORS.get(b.op, OTHER_OP_COLOR),
+                edgecolor="white", linewidth=0.5)
     first: dict[int, float] = {}  # step -> where its first span starts
     for b in drawn:
         first.setdefault(b.step, b.start)
     for step, start in sorted(first.items()):
         ax.axvline(start, color="#495057", alpha=0.25, lw=1, ls="--", zorder=0)
-        ax.text(start, len(rows) - 0.45, f" step {step}", fontsize=8, color="#495057", va="bottom")
-    ax.set_yticks(range(len(rows)))
-    ax.set_yticklabels([names.get(tid, f"track {tid}") for tid in reversed(rows)])
-    ax.set_ylim(-0.6, len(rows) - 0.1)
+        ax.text(start, top + 0.05, f" step {step}", fontsize=8, color="#495057", va="bottom")
+    rows = sorted(layout)
+    ax.set_yticks([layout[r].bottom + layout[r].height / 2 for r in rows])
+    ax.set_yticklabels([names.get(r, f"track {r}") + (f"\n(up to {layout[r].lanes} at once)"
+                                                      if layout[r].lanes > 1 else "") for r in rows])
+    ax.set_ylim(-0.1, top + 0.4)
     ax.set_xlim(0, end * 1.01)
     ax.set_xlabel("seconds (from the first span drawn)")
     steps = sorted(first)
@@ -114,21 +171,23 @@ def _plot(drawn: list[Bar], names: dict[int, str], out: Path, title: str) -> Non
               loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=8, frameon=False, title="op",
               title_fontsize=8)
     fig.tight_layout()
-    _label_bars(fig, ax, drawn, y)
-    fig.savefig(out)
-    plt.close(fig)
+    _label_bars(fig, ax, drawn, layout)
+    return fig
 
 
-def _label_bars(fig: Any, ax: Any, drawn: list[Bar], y: dict[int, int]) -> None:
-    """Write each node id inside its bar, only where the rendered text fits (measured, not guessed)."""
+def _label_bars(fig: Any, ax: Any, drawn: list[Bar], layout: dict[int, Track]) -> None:
+    """Write each node id inside its bar, only where the rendered text fits its width and height (measured,
+    not guessed): bars of a lane never overlap, so neither do their labels."""
     renderer = fig.canvas.get_renderer()
     for b in drawn:
         color = OP_COLORS.get(b.op, OTHER_OP_COLOR)
-        (x0, _), (x1, _) = ax.transData.transform([(b.start, 0), (b.start + b.dur, 0)])
+        y, h = layout[b.row].lane(b.lane)
+        (x0, y0), (x1, y1) = ax.transData.transform([(b.start, y - h / 2), (b.start + b.dur, y + h / 2)])
         for size in (8, 6.5):  # a smaller font before giving up on a narrow bar
-            text = ax.text(b.start + b.dur / 2, y[b.row], b.node, ha="center", va="center", fontsize=size,
+            text = ax.text(b.start + b.dur / 2, y, b.node, ha="center", va="center", fontsize=size,
                            color="black" if _light(color) else "white")
-            if text.get_window_extent(renderer).width + 4 <= x1 - x0:
+            box = text.get_window_extent(renderer)
+            if box.width + 4 <= x1 - x0 and box.height + 1 <= y1 - y0:
                 break
             text.remove()
 

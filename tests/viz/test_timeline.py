@@ -12,7 +12,7 @@ import flowrl.cli
 from flowrl.errors import FlowError
 from flowrl.runtime.controller import Span
 from flowrl.runtime.report import trace_events, write_trace
-from flowrl.viz.timeline import bars, load_spans, timeline
+from flowrl.viz.timeline import bars, figure, load_spans, timeline, tracks
 
 DUR = {"prompts": 0.002, "rollout": 0.8, "old_logp": 0.12, "ref_logp": 0.11, "scores": 0.03, "adv": 0.004,
        "actor.update": 0.35}
@@ -75,3 +75,42 @@ def test_cli_timeline_verb(graphs: Any, tmp_path: Path, capsys: pytest.CaptureFi
     out = tmp_path / "t.png"
     assert flowrl.cli.main(["timeline", str(run), "-o", str(out), "--steps", "1"]) == 0
     assert capsys.readouterr().out == f"wrote {out}\n" and out.stat().st_size > 0
+
+
+def span(name: str, tid: int, start: float, dur: float, op: str = "instance", step: int = 1) -> dict[str, Any]:
+    return {"name": name, "cat": op, "ph": "X", "pid": 1, "tid": tid, "ts": start * 1e6, "dur": dur * 1e6,
+            "args": {"step": step}}
+
+
+def test_overlapping_spans_of_a_track_take_lanes() -> None:
+    drawn = bars([span("a", 1, 0, 2), span("b", 1, 0, 1), span("c", 2, 0, 1), span("d", 1, 1, 2),
+                  span("e", 1, 2.5, 1.5)], 1)
+    # d starts as b ends (lane 1 is free again); e starts after a ends (lane 0)
+    assert [(b.node, b.row, b.lane) for b in drawn] == [("a", 1, 0), ("b", 1, 1), ("c", 2, 0), ("d", 1, 1),
+                                                       ("e", 1, 0)]
+    layout = tracks(drawn)
+    assert (layout[2].bottom, layout[2].height, layout[2].lanes) == (0.0, 1.0, 1)  # the last track at the bottom
+    assert (layout[1].bottom, layout[1].height, layout[1].lanes) == (1.0, pytest.approx(1.1), 2)
+    assert layout[1].lane(0)[0] > layout[1].lane(1)[0]  # lane 0 on top
+    many = tracks(bars([span(f"i{k}", 1, 0, 1) for k in range(26)], 1))
+    assert many[1].lanes == 26 and many[1].height == 4.0
+
+
+def test_labels_of_instances_started_together_do_not_overlap(tmp_path: Path) -> None:
+    """A pool's instances start at once and end close together (as the simulator's pipe-rlhf draws them): each
+    label sits inside its own bar, none over another (drawn on one lane, their labels crossed)."""
+    spans = [span("rollout", 1, 0, 1.0, op="generate"),
+             *[span(f"instance {k}", 2, 0, d) for k, d in enumerate((0.9, 0.95, 1.0))]]
+    drawn = bars(spans, 1)
+    fig = figure(drawn, {1: "rollout", 2: "rollout instances"}, "pipe")
+    renderer = fig.canvas.get_renderer()
+    ax = fig.axes[0]
+    labels = {t.get_text(): t.get_window_extent(renderer) for t in ax.texts if t.get_text() in
+              {b.node for b in drawn}}
+    assert sorted(labels) == ["instance 0", "instance 1", "instance 2", "rollout"]
+    boxes = list(labels.values())
+    assert not any(a.overlaps(b) for i, a in enumerate(boxes) for b in boxes[i + 1:])
+    bars_px = [p.get_window_extent(renderer) for p in ax.patches]
+    assert all(any(p.x0 <= box.x0 and box.x1 <= p.x1 and p.y0 <= box.y0 and box.y1 <= p.y1 for p in bars_px)
+               for box in boxes)
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["rollout", "rollout instances\n(up to 3 at once)"]
