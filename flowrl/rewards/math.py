@@ -3,24 +3,55 @@
 Answer extraction and equivalence are the `math-verify` package's (what open-r1 and TRL's math rewards use):
 `\\boxed{...}` first, else the last number or expression in the response; `\\frac{1}{2}`, `1/2` and `0.5` are
 equal, `1,000` is `1000`, LaTeX and plain text compare alike. A response with no answer, or that cannot be
-parsed, scores 0.0; it never raises. math-verify's own time limits use `signal.alarm`, which works in a
-process's main thread only (where inline scoring and reward workers call it); elsewhere they are off, and a
-`timeout` on the reward (`{ workers = N, timeout = S }`) is what bounds a hostile answer.
+parsed, scores 0.0; it never raises.
+
+Grading runs in a warm helper process (`flowrl.rewards.bounded`), never in the caller: a call has a hard limit of
+`TIMEOUT_S` seconds on whatever thread it is made (an asynchronous run scores inline rewards on its rollout
+thread), after which the helper is killed and the answer scores 0.0. math-verify's own limits (`signal.alarm`,
+`SOFT_S`) hold inside the helper too, where they end an ordinary slow parse without a restart; they cannot stop
+a C-level computation such as `9^9^9^9`, which only the kill ends. The helper's address space is limited to
+`MEMORY_BYTES`. One helper per concurrent caller; the first call waits for its start (importing sympy, ~1-2 s),
+which the limit does not count.
 """
 
 from __future__ import annotations
 
-import threading
-from typing import Any
-
 from flowrl.registry import reward
+from flowrl.rewards.bounded import Helpers
 
-PARSE_TIMEOUT_S = 5
+TIMEOUT_S = 5.0
+SOFT_S = 2
+MEMORY_BYTES = 4 << 30
 
+GRADER = f"""
+import json, resource, sys
+resource.setrlimit(resource.RLIMIT_AS, ({MEMORY_BYTES}, {MEMORY_BYTES}))
+try:
+    from math_verify import parse, verify
+except Exception as e:
+    print(json.dumps({{"error": f"cannot import math_verify: {{type(e).__name__}}: {{e}}"}}), flush=True)
+    raise SystemExit(1)
 
-def _limits() -> dict[str, Any]:
-    main = threading.current_thread() is threading.main_thread()
-    return {"timeout": PARSE_TIMEOUT_S if main else None}
+def grade(answer, response):
+    gold = parse(answer, parsing_timeout={SOFT_S})
+    if not gold and "$" not in answer:  # bare LaTeX (`\\\\sqrt{{8}}`): math-verify finds it between delimiters
+        gold = parse(f"${{answer}}$", parsing_timeout={SOFT_S})
+    got = parse(response, parsing_timeout={SOFT_S})
+    if not gold or not got:
+        return 0.0
+    return 1.0 if verify(gold, got, timeout_seconds={SOFT_S}) else 0.0
+
+print(json.dumps({{"ready": True}}), flush=True)
+for line in sys.stdin:
+    answer, response = json.loads(line)
+    try:
+        score = grade(answer, response)
+    except BaseException:  # a parse or comparison that fails on odd input (a MemoryError too): no answer found
+        score = 0.0
+    print(json.dumps(score), flush=True)
+"""
+
+HELPERS = Helpers(GRADER)
 
 
 @reward("math_equal")
@@ -28,17 +59,5 @@ def math_equal(prompt: str, response: str, answer: object = None, **_: object) -
     """1.0 when the response's final answer equals `answer` (see the module docstring), else 0.0."""
     if answer is None or not str(response).strip():
         return 0.0
-    from math_verify import parse, verify
-
-    limit = _limits()["timeout"]
-    try:
-        text = str(answer)
-        gold = parse(text, parsing_timeout=limit)
-        if not gold and "$" not in text:  # bare LaTeX (`\sqrt{8}`): math-verify finds it between delimiters
-            gold = parse(f"${text}$", parsing_timeout=limit)
-        got = parse(str(response), parsing_timeout=limit)
-        if not gold or not got:
-            return 0.0
-        return 1.0 if verify(gold, got, timeout_seconds=limit) else 0.0
-    except Exception:  # a parse or comparison that fails on odd input: no answer found
-        return 0.0
+    score = HELPERS.call([str(answer), str(response)], TIMEOUT_S)
+    return 1.0 if score == 1.0 else 0.0

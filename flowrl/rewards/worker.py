@@ -22,7 +22,8 @@ def serve(conn: Connection, target: str, imports: Sequence[str], folder: str) ->
     try:
         for module in imports:
             import_module(module)
-        fn = resolve_reward(target).fn
+        found = resolve_reward(target)
+        fn = found.fn
     except Exception as e:  # the parent says which reward could not start
         conn.send(("error", f"could not load: {type(e).__name__}: {e}"))
         return
@@ -30,6 +31,10 @@ def serve(conn: Connection, target: str, imports: Sequence[str], folder: str) ->
     while (task := conn.recv()) is not None:
         prompt, response, row = task
         try:
-            conn.send(("ok", fn(prompt, response, **extra_columns(fn, row))))
+            if found.batched:  # one sample as a batch of one
+                columns = {k: [v] for k, v in row.items() if k != "prompt"}
+                conn.send(("ok", list(fn([prompt], [response], **columns))[0]))
+            else:
+                conn.send(("ok", fn(prompt, response, **extra_columns(fn, row))))
         except Exception as e:
             conn.send(("error", f"raised {type(e).__name__}: {e}"))

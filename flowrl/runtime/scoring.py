@@ -1,13 +1,20 @@
 """Reward scoring on the controller (flowrl.runtime): a reward declaration becomes a `Scorer` that scores rollouts.
 
-- No block keys (the default): the reward function is called inline, sample by sample (`score_rollout`); for a
-  fast pure function that is the cheapest (measured in bench/rewards.py).
+- No block keys (the default): the reward function is called inline, sample by sample; for a fast pure
+  function that is the cheapest (measured in bench/rewards.py).
 - `workers = N`: N worker processes, started with the run and kept warm, score samples in parallel; each
-  sample has a wall-clock limit (`timeout`). A sample that times out or kills its worker (a crash, a signal)
-  fails the step with an error naming the reward, the sample, its prompt and what happened, or, with
-  `on_error = "zero"`, scores 0 and is counted (`reward/NAME/errors`, `reward/NAME/timeouts`). A worker that
-  was killed or died is replaced; the run goes on.
+  sample has a wall-clock limit (`timeout`; a `timeout` without `workers` means one worker: a call on the
+  controller cannot be stopped). A sample that times out or kills its worker (a crash, a signal) fails the
+  step with an error naming the reward, the sample, its prompt and what happened. A worker that was killed or
+  died is replaced; the run goes on.
 - `http("url")`: batches of samples are POSTed to a scoring service (`flowrl.rewards.http.HttpReward`).
+- `on_error = "zero"` holds for each of them: a sample whose reward raised, returned a non-number, timed out or
+  crashed scores 0 and is counted (`reward/NAME/errors`, `reward/NAME/timeouts`) instead of failing the step.
+- `sandbox = "strict"` (for `code_tests`): the run refuses to start where strict isolation is not available
+  (`flowrl.rewards.sandbox`), with an error at the reward's line saying what is missing.
+
+Before the first step every Python reward's signature is checked against `fn(prompt, response, **row) -> float`
+(batched: `fn(prompts, responses, **columns) -> list[float]`); a mismatch is an error at the reward's line.
 
 `submit(batch)` returns at once with a `Pending` whose `result()` waits: the fused generation stage submits
 each chunk of finished samples as it arrives, so scoring runs beside the rest of generation.
@@ -15,6 +22,7 @@ each chunk of finished samples as it arrives, so scoring runs beside the rest of
 
 from __future__ import annotations
 
+import inspect
 import math
 import multiprocessing as mp
 import os
@@ -28,9 +36,9 @@ from typing import Any
 
 import torch
 
-from flowrl.errors import Diagnostic, RewardError
+from flowrl.errors import Diagnostic, Loc, RewardError
 from flowrl.ir.graph import RewardDecl
-from flowrl.registry import RewardFn, resolve_reward
+from flowrl.registry import RewardFn, extra_columns, resolve_reward
 from flowrl.rewards.worker import serve
 from flowrl.runtime.batch import Batch
 from flowrl.runtime.functions import score_rollout
@@ -94,13 +102,54 @@ def _done(values: list[float]) -> Future[list[float]]:
 class InlineScorer(Scorer):
     """The reward function called on the controller, sample by sample, when the batch is submitted."""
 
-    def __init__(self, name: str, fn: RewardFn):
-        super().__init__(name)
+    def __init__(self, name: str, fn: RewardFn, on_error: str = "fail"):
+        super().__init__(name, on_error)
         self.fn = fn
 
     def submit(self, batch: Batch) -> Pending:
-        scores = score_rollout(self.name, self.fn, batch)["scores"]
-        return Pending(batch, [_done([float(v) for v in scores.tolist()])])
+        if self.on_error != "zero":
+            scores = score_rollout(self.name, self.fn, batch)["scores"]
+            return Pending(batch, [_done([float(v) for v in scores.tolist()])])
+        prompts, responses = list(batch.meta["prompt"]), list(batch.meta["response"])
+        rows = [dict(r) for r in batch.meta.get("row", [{}] * batch.size)]
+        values = self._batched(prompts, responses, rows) if self.fn.batched else \
+            [self._one(p, r, row) for p, r, row in zip(prompts, responses, rows, strict=True)]
+        return Pending(batch, [_done(values)])
+
+    def _one(self, prompt: str, response: str, row: dict[str, Any]) -> float:
+        try:
+            return self._finite(self.fn.fn(prompt, response, **extra_columns(self.fn.fn, row)))
+        except Exception:  # on_error = "zero": this sample scores 0, counted
+            with self.lock:
+                self.counts.errors += 1
+            return 0.0
+
+    def _batched(self, prompts: list[str], responses: list[str], rows: list[dict[str, Any]]) -> list[float]:
+        columns = {k: [r.get(k) for r in rows] for k in sorted({k for r in rows for k in r if k != "prompt"})}
+        try:
+            values = list(self.fn.fn(prompts, responses, **columns))
+            if len(values) != len(prompts):
+                raise ValueError(f"{len(values)} values for {len(prompts)} samples")
+        except Exception:
+            with self.lock:
+                self.counts.errors += len(prompts)
+            return [0.0] * len(prompts)
+        out = []
+        for v in values:
+            try:
+                out.append(self._finite(v))
+            except (TypeError, ValueError):
+                with self.lock:
+                    self.counts.errors += 1
+                out.append(0.0)
+        return out
+
+    @staticmethod
+    def _finite(value: Any) -> float:
+        out = float(value)
+        if not math.isfinite(out):
+            raise ValueError(f"returned {out}")
+        return out
 
 
 # ---- worker processes ------------------------------------------------------------------------------------
@@ -293,9 +342,56 @@ def make_scorer(decl: RewardDecl, *, imports: Sequence[str] = (), folder: str | 
     options: dict[str, Any] = dict(decl.options)
     if decl.kind == "http":
         return HttpScorer(decl.name, decl.target, options)
-    workers = int(options.get("workers", 0) or 0)
+    fn = resolve_reward(decl.target)
+    problem = signature_problem(fn)
+    if problem is not None:
+        raise RewardError(_at(decl, f"reward '{decl.name}': {problem}", hint=_expected(fn.batched)))
+    if options.get("sandbox") == "strict":
+        from flowrl.rewards.sandbox import isolation
+
+        found = isolation()
+        if not found.strict:
+            raise RewardError(_at(decl, f"reward '{decl.name}' asks for `sandbox = \"strict\"`, which this machine "
+                                        "cannot give", hint=found.describe()))
+    timeout = float(options.get("timeout", 0.0) or 0.0)
+    workers = int(options.get("workers", 0) or 0) or (1 if timeout > 0 else 0)
+    on_error = str(options.get("on_error", "fail"))
     if workers <= 0:
-        return InlineScorer(decl.name, resolve_reward(decl.target))
-    return PoolScorer(decl.name, decl.target, workers=workers, timeout=float(options.get("timeout", 0.0) or 0.0),
-                      on_error=str(options.get("on_error", "fail")), imports=imports,
+        return InlineScorer(decl.name, fn, on_error)
+    return PoolScorer(decl.name, decl.target, workers=workers, timeout=timeout, on_error=on_error, imports=imports,
                       folder=folder or os.path.dirname(os.path.abspath(decl.loc.path)))
+
+
+def _expected(batched: bool) -> str:
+    return ("a batched reward is `fn(prompts, responses, **columns) -> list[float]`" if batched else
+            "a reward is `fn(prompt, response, **row) -> float` (`row`: the data row's other columns)")
+
+
+def signature_problem(reward: RewardFn) -> str | None:
+    """Why `reward` cannot be called as `fn(prompt, response, **row)` (batched: with lists), or None."""
+    try:
+        params = list(inspect.signature(reward.fn).parameters.values())
+    except (TypeError, ValueError):  # a builtin without a signature: the call will tell
+        return None
+    if any(p.kind is p.VAR_POSITIONAL for p in params):
+        return None
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if len(positional) < 2:
+        names = ", ".join(p.name for p in params) or "nothing"
+        return f"'{reward.name}' takes ({names}), not the prompt and the response"
+    extra = [p.name for p in positional[2:] if p.default is p.empty and p.kind is p.POSITIONAL_ONLY]
+    if extra:
+        return f"'{reward.name}' needs positional arguments ({', '.join(extra)}) beyond the prompt and the response"
+    return None
+
+
+def _at(decl: RewardDecl, message: str, hint: str) -> Diagnostic:
+    """A diagnostic at the reward's line, with the line itself when the file is readable."""
+    line = None
+    try:
+        with open(decl.loc.path, encoding="utf-8") as f:
+            line = f.read().splitlines()[decl.loc.line - 1]
+    except (OSError, IndexError, ValueError):
+        pass
+    loc = Loc(decl.loc.path, decl.loc.line, decl.loc.col, decl.loc.end_col)
+    return Diagnostic(message, loc, hint=hint, source_line=line)
