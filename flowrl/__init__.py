@@ -6,7 +6,7 @@ passes (as `flowrl run` does; `passes=False` or `no_pass=[...]` to leave them ou
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from flowrl.errors import DataError, Diagnostic, ExecutionError, FlowError, RewardError
@@ -20,22 +20,44 @@ if TYPE_CHECKING:
 
 __version__ = "0.1.0"
 
+# An override's value: flow literal text as `--set` takes it (`"8"`, `"1e-4"`, `'"tiny:gpt2"'`, `"2..16"`), or a
+# Python number, bool or None, written as the flow would write it.
+Value = str | bool | int | float | None
 
-def load(path: str, overrides: dict[str, str] | None = None, *, passes: bool = True,
+
+def _flow_text(overrides: Mapping[str, Value] | None) -> dict[str, str] | None:
+    if overrides is None:
+        return None
+    out = {}
+    for key, value in overrides.items():
+        if isinstance(value, bool) or value is None:
+            out[key] = {True: "true", False: "false", None: "none"}[value]
+        elif isinstance(value, (int, float)):
+            out[key] = repr(value)
+        elif isinstance(value, str):
+            out[key] = value
+        else:
+            raise FlowError(Diagnostic(f"override `{key}`: a {type(value).__name__} is not a flow value",
+                                       hint="a number, a bool, None, or flow literal text as a string"))
+    return out
+
+
+def load(path: str, overrides: Mapping[str, Value] | None = None, *, passes: bool = True,
          no_pass: Sequence[str] = ()) -> Graph:
-    """Parse, check and lower a `.flow` file, then run the default passes but `no_pass` (what `flowrl run`
-    executes; `passes=False` returns the graph as written). Raises FlowError with every diagnostic of the file."""
+    """Parse, check and lower a `.flow` file with `overrides` (`--set`'s keys: `{"run.steps": 50, "actor.lr": 3e-4}`),
+    then run the default passes but `no_pass` (what `flowrl run` executes; `passes=False` returns the graph as
+    written). Raises FlowError with every diagnostic of the file."""
     from flowrl.compiler import compile_file
 
-    return compile_file(path, overrides, passes=None if passes else [], no_pass=no_pass)
+    return compile_file(path, _flow_text(overrides), passes=None if passes else [], no_pass=no_pass)
 
 
-def compile_flow(text: str, path: str = "<string>", overrides: dict[str, str] | None = None, *,
+def compile_flow(text: str, path: str = "<string>", overrides: Mapping[str, Value] | None = None, *,
                  passes: bool = True, no_pass: Sequence[str] = ()) -> Graph:
     """Like `load`, from text; `path` is used in diagnostics and to resolve relative data paths."""
     from flowrl.compiler import compile_text
 
-    return compile_text(text, path, overrides, passes=None if passes else [], no_pass=no_pass)
+    return compile_text(text, path, _flow_text(overrides), passes=None if passes else [], no_pass=no_pass)
 
 
 def run(graph: Graph, *, backend: str | Backend = "local", backend_options: dict[str, Any] | None = None,

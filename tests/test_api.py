@@ -51,3 +51,18 @@ def test_compile_flow_applies_overrides() -> None:
     graph = flowrl.compile_flow(text, str(root / "inline.flow"), {"run.steps": "7", "use.group": "4"})
     assert graph.run["steps"] == 7
     assert dict(graph.node("rollout").attrs)["n"] == 4
+
+
+def test_overrides_take_python_values_as_the_flow_writes_them() -> None:
+    root = Path(__file__).resolve().parents[1]
+    graph = flowrl.load(str(root / "examples" / "grpo_arith.flow"),
+                        {"run.steps": 20, "actor.lr": 1e-5, "prompts.shuffle": False, "use.kl_coef": 0,
+                         "use.max_tokens": "3"})
+    assert graph.run["steps"] == 20 and graph.model("actor").lr == 1e-5
+    assert dict(graph.data[0].options)["shuffle"] is False
+    assert dict(graph.node("actor.update").attrs)["kl_coef"] == 0
+    assert dict(graph.node("rollout").attrs)["max_tokens"] == 3
+    with pytest.raises(flowrl.FlowError) as err:
+        flowrl.load(str(root / "examples" / "grpo_arith.flow"), {"run.steps": [20]})  # type: ignore[dict-item]
+    assert err.value.render() == ("error: override `run.steps`: a list is not a flow value\n"
+                                  "hint: a number, a bool, None, or flow literal text as a string")

@@ -85,9 +85,9 @@ def test_the_readme_python_api_example_runs(tmp_path: Path, monkeypatch: pytest.
     monkeypatch.chdir(tmp_path)
     exec(compile(code, "README.md", "exec"), {})  # noqa: S102 - the README's own example
     printed = capsys.readouterr().out
-    assert re.fullmatch(r"20 steps: reward 0\.\d\d -> [01]\.\d\d, \d+ tokens/s, outputs in runs/api\n", printed), printed
+    assert re.fullmatch(r"10 steps: reward 0\.\d\d -> [01]\.\d\d, \d+ tokens/s, outputs in runs/api\n", printed), printed
     lines = (tmp_path / "runs" / "api" / "metrics.jsonl").read_text().splitlines()
-    assert len(lines) == 20 and "reward_mean" in json.loads(lines[-1])
+    assert len(lines) == 10 and "reward_mean" in json.loads(lines[-1])
 
 
 def test_the_user_function_example_runs(tmp_path: Path) -> None:
