@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 from collections.abc import Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from flowrl.errors import Diagnostic, FlowError
@@ -32,6 +33,8 @@ def add_verbs(verb: Verb) -> None:
     c.add_argument("--tau", type=float, default=0.7, help="rlhfless: cut-and-migrate threshold")
     c.add_argument("--rt", type=float, default=0.2, help="rlhfuse: migrate when this fraction is unfinished")
     c.add_argument("--gen-tp", type=int, default=None, help="devices per generation instance")
+    c.add_argument("--dedup", default="auto", choices=["auto", "handover", "local", "off"],
+                   help="rlhfless: deduplicated prefill of the prompts' shared prefix (as run { dedup_prefill })")
     c.add_argument("--out", default=None, metavar="DIR", help="write trace.json and simulation.json here")
     c.add_argument("--json", action="store_true", help="print the summaries as JSON")
 
@@ -61,8 +64,11 @@ def _workload_args(c: argparse.ArgumentParser) -> None:
     c.add_argument("--prompts", type=int, default=None, help="prompts per step (default: the flow's batch)")
     c.add_argument("--samples", type=int, default=None, help="samples per prompt (default: the flow's n)")
     c.add_argument("--max-tokens", type=int, default=None, help="response cap (default: the flow's)")
+    c.add_argument("--lengths", default=None, metavar="SPEC",
+                   help="without --trace: response lengths, cut at max-tokens: max (the default: every response "
+                   "runs to the cap), fixed:N, uniform:LO:HI, geometric:MEAN, lognormal:MEDIAN[:BETWEEN[:WITHIN]]")
     c.add_argument("--median", type=float, default=None,
-                   help="synthetic workload: median response length (default: max-tokens / 6)")
+                   help="without --trace: the same as --lengths lognormal:MEDIAN")
     c.add_argument("--stretch", type=float, default=1.0, help="--trace: multiply its response lengths")
     c.add_argument("--steps", type=int, default=12)
     c.add_argument("--seed", type=int, default=0)
@@ -75,7 +81,17 @@ def _setup(args: argparse.Namespace) -> tuple[CostModel, FlowWork, list[Step]]:
     from flowrl.backends.sim.hardware import load_cluster
     from flowrl.backends.sim.shapes import resolve
     from flowrl.backends.sim.work import controller_times, flow_work
-    from flowrl.backends.sim.workload import LongTail, read_metrics, replay, stretch, synthetic, tile
+    from flowrl.backends.sim.workload import (
+        Lengths,
+        data_prompts,
+        from_flow,
+        parse_lengths,
+        prefix_tokens,
+        read_metrics,
+        replay,
+        stretch,
+        tile,
+    )
     from flowrl.compiler import compile_file, parse_sets
     from flowrl.ir.printer import to_json
 
@@ -90,8 +106,13 @@ def _setup(args: argparse.Namespace) -> tuple[CostModel, FlowWork, list[Step]]:
         overrides[name] = resolve(spec)
     graph = to_json(compile_file(args.file, parse_sets(args.set)))
     cost = CostModel(load_cluster(args.cluster), Factors.load(args.calibration) if args.calibration else None)
+    texts = data_prompts(graph)  # the flow's prompts: their lengths and shared opening
+    min_prefix = next((int(n.get("attrs", {}).get("prefix_min_len", 0)) for n in graph["nodes"]
+                       if n["op"] == "generate"), 0)
     if args.trace:
         steps = replay(args.trace)
+        if (prefix := prefix_tokens(texts, min_prefix)):  # a trace has the lengths, the data the shared opening
+            steps = [tuple(replace(w, prefix_len=prefix) for w in s) for s in steps]
         samples = sum(len(w.responses) for w in steps[0])  # a step of the run, before tiling
         if args.stretch != 1.0:
             steps = stretch(steps, args.stretch, args.max_tokens or max(n for s in steps for w in s
@@ -106,9 +127,10 @@ def _setup(args: argparse.Namespace) -> tuple[CostModel, FlowWork, list[Step]]:
                                 read_metrics(args.trace), samples)
     else:
         work = flow_work(graph, overrides, args.prompts, args.samples, args.max_tokens)
-        tail = LongTail(prompts=work.prompts, samples=work.samples, max_tokens=work.max_tokens,
-                        median=args.median or work.max_tokens / 6)
-        steps = synthetic(tail, args.steps, seed=args.seed)
+        lengths = parse_lengths(args.lengths) if args.lengths else \
+            Lengths("lognormal", (args.median,)) if args.median else Lengths()
+        steps = from_flow(lengths, work.prompts, work.samples, work.max_tokens, args.steps, texts, min_prefix,
+                          seed=args.seed)
     return cost, work, steps
 
 
@@ -124,7 +146,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if not 0.0 <= args.cost_weight <= 1.0 or not 0.0 < args.tau <= 1.0 or not 0.0 < args.rt < 1.0:
         raise FlowError(Diagnostic("--cost-weight must be in [0, 1], --tau in (0, 1], --rt in (0, 1)"))
     cost, work, steps = _setup(args)
-    opts = Options(gen_tp=args.gen_tp, cost_weight=args.cost_weight, tau=args.tau, rt=args.rt)
+    opts = Options(gen_tp=args.gen_tp, cost_weight=args.cost_weight, tau=args.tau, rt=args.rt, dedup=args.dedup)
     results = [simulate(p, cost, work, steps, opts) for p in names]
     if args.json:
         print(json.dumps([r.summary() for r in results], indent=2))

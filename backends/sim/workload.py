@@ -1,8 +1,10 @@
 """What the simulated steps generate (flowrl.backends.sim): per step, each prompt's id, prompt length and its
 samples' response lengths.
 
-Two sources: a replayed trace (a run directory's `lengths.jsonl`, which `flowrl run` writes, so a real run is
-replayed at scale and every policy sees the same content), or a synthetic long-tailed generator. The generator
+Three sources: a replayed trace (a run directory's `lengths.jsonl`, which `flowrl run` writes, so a real run is
+replayed at scale and every policy sees the same content); the flow itself (`from_flow`: its data's prompt
+lengths and shared opening, its `max_tokens`, and a length distribution the user gives, `Lengths`: without
+one every response runs to the cap); or a synthetic long-tailed generator (bench/sim_papers.py's settings). The generator
 follows the long-tail statistics the seed papers report (../shared/reference/seed_papers.md §6): each prompt has
 a latent length scale drawn log-normally across prompts, its samples are log-normal around it, everything is cut
 at `max_tokens`, and a prompt drawn again in a later epoch has drifted a little (most prompts move by < 50
@@ -15,7 +17,7 @@ from __future__ import annotations
 import json
 import math
 import random
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -124,3 +126,126 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
                 raise FlowError(f"{path}:{lineno}: not a metrics row (a JSON object per line)")
             rows.append(row)
     return rows
+
+
+LENGTH_KINDS = {"max": 0, "fixed": 1, "uniform": 2, "geometric": 1, "lognormal": 1}  # kind -> required params
+
+
+@dataclass(frozen=True)
+class Lengths:
+    """Response lengths for a simulation without a trace (`flowrl simulate --lengths SPEC`), every one cut at
+    the flow's `max_tokens`: `max` (each response runs to the cap: what the flow alone says), `fixed:N`,
+    `uniform:LO:HI`, `geometric:MEAN` (each token ends the response with probability 1/MEAN: a model that has
+    not learned when to stop), `lognormal:MEDIAN[:BETWEEN[:WITHIN]]` (the long tail: a prompt's scale
+    log-normal across prompts with sigma BETWEEN, default 0.6, its samples around it with WITHIN, 0.4)."""
+
+    kind: str = "max"
+    params: tuple[float, ...] = ()
+
+    def describe(self) -> str:
+        return ":".join([self.kind, *(f"{p:g}" for p in self.params)])
+
+
+def parse_lengths(spec: str) -> Lengths:
+    kind, *raw = spec.split(":")
+    if kind not in LENGTH_KINDS:
+        raise FlowError(Diagnostic(f"--lengths {spec!r}: unknown distribution {kind!r}",
+                                   hint="max, fixed:N, uniform:LO:HI, geometric:MEAN or lognormal:MEDIAN[:BETWEEN"
+                                        "[:WITHIN]]"))
+    try:
+        params = tuple(float(x) for x in raw)
+    except ValueError:
+        raise FlowError(Diagnostic(f"--lengths {spec!r}: its parameters must be numbers",
+                                   hint=f"e.g. --lengths {kind}:{':'.join(['20'] * max(1, LENGTH_KINDS[kind]))}")) \
+            from None
+    need = LENGTH_KINDS[kind]
+    most = 3 if kind == "lognormal" else need
+    if not need <= len(params) <= most or any(p <= 0 for p in params) or \
+            (kind == "uniform" and params[0] > params[1]):
+        raise FlowError(Diagnostic(f"--lengths {spec!r}: {kind} takes {need}{f' to {most}' if most > need else ''} "
+                                   "positive numbers" + (" (LO <= HI)" if kind == "uniform" else ""),
+                                   hint="e.g. --lengths lognormal:300 or --lengths uniform:8:64"))
+    return Lengths(kind, params)
+
+
+def data_prompts(graph: Mapping[str, Any]) -> list[str]:
+    """The prompt texts of the flow's first data source when it is a JSON-lines file that exists here (else
+    none): the simulator reads their lengths and their shared opening from it."""
+    for d in graph.get("data", []):
+        path = Path(str(d.get("path", "")))
+        if d.get("kind") != "jsonl" or not path.is_file():
+            return []
+        key = str(d.get("options", {}).get("prompt_key", "prompt"))
+        out = []
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                row = json.loads(line) if line.strip() else None
+            except ValueError:
+                return []
+            if isinstance(row, dict) and isinstance(row.get(key), str):
+                out.append(row[key])
+        return out
+    return []
+
+
+def shared_prefix(texts: Sequence[str]) -> int:
+    """The characters every text opens with."""
+    if not texts:
+        return 0
+    first, n = texts[0], len(texts[0])
+    for t in texts[1:]:
+        n = min(n, len(t))
+        while t[:n] != first[:n]:
+            n -= 1
+    return n
+
+
+def prefix_tokens(texts: Sequence[str], min_prefix: int = 0) -> int:
+    """The tokens every prompt opens with (their shared characters plus the start token), 0 when that is
+    shorter than `min_prefix` (the share-prefix pass's `prefix_min_len`) or is a whole prompt."""
+    if not texts:
+        return 0
+    n = shared_prefix(texts) + 1
+    return n if n >= max(1, min_prefix) and n < min(len(t) + 1 for t in texts) else 0
+
+
+def from_flow(lengths: Lengths, prompts: int, samples: int, max_tokens: int, steps: int, texts: Sequence[str] = (),
+              min_prefix: int = 0, seed: int = 0) -> list[Step]:
+    """Steps drawn from the flow's own data and cap: prompt lengths from `texts` (one token a character plus
+    the start token: the tiny models' tokenizers; 256 without data), their shared opening as a shared prefix
+    when it is at least `min_prefix` tokens, the prompts visited in shuffled epochs of the data set (8 steps'
+    worth without data) and each response drawn from `lengths`."""
+    rng = random.Random(seed)
+    size = len(texts) or 8 * prompts
+    plen = [len(t) + 1 for t in texts] or [256] * size
+    prefix = prefix_tokens(texts, min_prefix)
+    extra = lengths.params[1:] if lengths.kind == "lognormal" else ()
+    between = extra[0] if len(extra) > 0 else 0.6
+    within = extra[1] if len(extra) > 1 else 0.4
+    scale = [lengths.params[0] * math.exp(rng.gauss(0.0, between)) for _ in range(size)] \
+        if lengths.kind == "lognormal" else []
+
+    def draw(p: int) -> int:
+        k, a = lengths.kind, lengths.params
+        if k == "fixed":
+            n = a[0]
+        elif k == "uniform":
+            n = rng.randint(int(a[0]), int(a[1]))
+        elif k == "geometric":
+            n = 1 + (math.floor(math.log(1.0 - rng.random()) / math.log(1.0 - 1.0 / a[0])) if a[0] > 1 else 0)
+        elif k == "lognormal":
+            n = scale[p] * math.exp(rng.gauss(0.0, within))
+        else:
+            n = max_tokens
+        return max(1, min(max_tokens, int(n)))
+
+    order: list[int] = []
+    out: list[Step] = []
+    for _ in range(steps):
+        while len(order) < prompts:
+            fresh = list(range(size))
+            rng.shuffle(fresh)
+            order += fresh
+        ids, order = order[:prompts], order[prompts:]
+        out.append(tuple(PromptWork(p, plen[p], tuple(draw(p) for _ in range(samples)), prefix) for p in ids))
+    return out
