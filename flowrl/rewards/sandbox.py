@@ -44,10 +44,11 @@ set -e
 mount -t tmpfs -o size=4m,mode=755 flowrl-sandbox /tmp
 cd /tmp
 mkdir usr proc dev tmp
-mount --rbind /usr usr
-mount -o remount,bind,ro usr
+mount -o bind,ro /usr usr
 {links}
-for d in null zero urandom random; do touch dev/$d; mount --bind /dev/$d dev/$d; done
+touch dev/null dev/urandom
+mount -o bind /dev/null dev/null
+mount -o bind /dev/urandom dev/urandom
 mount -t proc -o nosuid,nodev,noexec proc proc
 mount -t tmpfs -o size={scratch},mode=1777,nosuid,nodev flowrl-scratch tmp
 exec chroot . setpriv --reuid=$FLOWRL_UID --regid=$FLOWRL_UID --clear-groups --inh-caps=-all --bounding-set=-all \
@@ -126,14 +127,19 @@ def warn_once() -> None:
 
 
 def _links() -> str:
-    """The root's other top-level entries /usr serves: symlinks where the host merged them into /usr."""
-    out = []
+    """The root's other top-level entries /usr serves: symlinks where the host merged them into /usr (made by
+    one `ln`), read-only binds where it did not."""
+    merged, out = [], []
     for name in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
         path = f"/{name}"
-        if os.path.islink(path):
+        if os.path.islink(path) and os.readlink(path) == f"usr/{name}":
+            merged.append(f"usr/{name}")
+        elif os.path.islink(path):
             out.append(f"ln -s {os.readlink(path)} {name}")
         elif os.path.isdir(path):
-            out.append(f"mkdir {name} && mount --rbind {path} {name} && mount -o remount,bind,ro {name}")
+            out.append(f"mkdir {name} && mount -o bind,ro {path} {name}")
+    if merged:
+        out.insert(0, f"ln -s {' '.join(merged)} .")
     return "\n".join(out)
 
 
