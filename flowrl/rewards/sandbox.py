@@ -219,7 +219,7 @@ class Session:
         self.buffer = bytearray(rest)
         try:
             return json.loads(line)
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or nested past the parser's depth
             raise Broken("garbled reply") from None
 
     def _wait(self, fd: int, event: int) -> None:
