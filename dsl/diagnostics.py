@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from flowrl.errors import Diagnostic, FlowError, Loc
 
@@ -69,17 +69,28 @@ def one_of(names: Iterable[str]) -> str:
 
 
 class Reporter:
-    """Collects every diagnostic of a compilation; `check()` raises them together (torchtune style)."""
+    """Collects every diagnostic of a compilation; `check()` raises the errors together (torchtune style);
+    warnings are kept apart (`warnings`), for the graph to carry. A diagnostic in a standard template's file
+    gets a note at the `use` that expanded it (`called_from`), so the user sees their own line too."""
 
     def __init__(self) -> None:
         self.diagnostics: list[Diagnostic] = []
+        self.warnings: list[Diagnostic] = []
+        self.called_from: dict[str, Diagnostic] = {}  # a template file's path -> a note at its `use`
 
     def error(self, src: Source, message: str, where: Located | Span, hint: str | None = None) -> None:
         self.add(src.error(message, where, hint))
 
+    def warn(self, src: Source, message: str, where: Located | Span, hint: str | None = None) -> None:
+        self.add(replace(src.error(message, where, hint), severity="warning"))
+
     def add(self, diag: Diagnostic) -> None:
-        if diag not in self.diagnostics:  # the same literal reached twice through a template: report once
-            self.diagnostics.append(diag)
+        note = self.called_from.get(diag.loc.path) if diag.loc is not None else None
+        if note is not None and not diag.notes:
+            diag = replace(diag, notes=(note,))
+        into = self.warnings if diag.severity == "warning" else self.diagnostics
+        if diag not in into:  # the same literal reached twice through a template: report once
+            into.append(diag)
 
     def extend(self, diags: Iterable[Diagnostic]) -> None:
         for d in diags:

@@ -11,8 +11,9 @@ import contextlib
 import os
 import sys
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import flowrl.rewards  # noqa: F401  (registers the shipped rewards by name)
 from flowrl import registry
@@ -21,18 +22,18 @@ from flowrl.errors import DataError
 from flowrl.ir.graph import ROLES, DataDecl, Graph, ModelDecl, Range, Ref, RewardDecl, Value, frozen
 from flowrl.ir.signatures import (
     DATA_KEYS,
-    DEDUP_PREFILL,
-    ENGINES,
     HTTP_REWARD_KEYS,
     MODEL_KEYS,
-    ON_ERROR,
     REWARD_KEYS,
     REWARD_KINDS,
     RUN_KEYS,
 )
 
 from . import ast
+from .checks import Flow, check_device, check_flow, check_shape, check_source
 from .diagnostics import Reporter, Source, did_you_mean
+from .keys import Entry as _Entry
+from .keys import check_value
 from .overrides import Overrides, parse_overrides
 from .placement import Placer, ReplicasAt
 from .steps import Body, DataSource, StepLowering
@@ -71,12 +72,6 @@ def _importable(folder: str) -> Iterator[None]:
             sys.path.remove(folder)
 
 
-@dataclass(frozen=True)
-class _Entry:
-    entry: ast.Entry
-    src: Source
-
-
 def lower(module: ast.Module, overrides: Mapping[str, str] | None = None) -> Graph:
     """Lower a parsed flow to a Graph; raises FlowError listing every problem found."""
     return _Lowering(module, overrides).run()
@@ -107,6 +102,7 @@ class _Lowering:
         models, replicas_at = self._models(models_ast, ovr)
         data, sources = self._data(data_ast, ovr)
         run = self._run(ovr)
+        check_device(self.rep, self._run_block, run.get("device"))
         env: dict[str, Binding] = {}
         for m in models:
             env.setdefault(m.name, ModelB(m.name, m.role if m.role in ROLES else None, m.trainable))
@@ -115,7 +111,12 @@ class _Lowering:
         for d in data:
             env.setdefault(d.name, DataB(d.name))
         body, template = self._iteration(iterations, env, ovr)
-        nodes = StepLowering(self.rep, sources).lower(body) if body is not None else []
+        steps = StepLowering(self.rep, sources)
+        nodes = steps.lower(body) if body is not None else []
+        if not self.rep.diagnostics:  # checks across declarations and nodes, on a flow that is right so far
+            check_flow(self.rep, Flow(self.src, models, self._model_blocks, data,
+                                      {d.name.name: d for d in data_ast}, self._data_blocks, self._prompts,
+                                      self._shown, nodes, steps.written))
         placements = [d for d in self.module.decls if isinstance(d, ast.PlacementDecl)]
         pools, groups, nodes = Placer(self.rep, models, replicas_at).place(placements, self.src, nodes)
         flow = self._flow_name()
@@ -123,7 +124,7 @@ class _Lowering:
         return Graph(
             flow=flow, path=self.module.path, models=tuple(models), nodes=tuple(nodes),
             rewards=tuple(rewards), data=tuple(data), run=frozen(run), pools=pools, worker_groups=groups,
-            imports=tuple(imports), template=template,
+            imports=tuple(imports), template=template, warnings=tuple(self.rep.warnings),
         )
 
     # ---- names ----------------------------------------------------------------------------------
@@ -172,8 +173,7 @@ class _Lowering:
         if d.kind is not None:
             return self._remote_reward(d, extra)
         block = self._block(d.entries, extra, ovr, REWARD_KEYS, "reward")
-        options = {k: v for k, v in self._filled(block, REWARD_KEYS).items() if k in block}
-        self._check_reward_options(d, block, options)
+        options = {k: v for k, v in self._filled(block, REWARD_KEYS, "reward").items() if k in block}
         batched = False
         try:
             batched = registry.resolve_reward(target).batched
@@ -196,25 +196,8 @@ class _Lowering:
             self.rep.error(self.src, f"`http` takes a URL starting with http:// or https://, got \"{url}\"", d.target,
                            hint='write `http("http://127.0.0.1:8000/score")`')
         block = self._block(d.entries, extra, self._ovr, HTTP_REWARD_KEYS, "http reward")
-        options = self._filled(block, HTTP_REWARD_KEYS)
-        self._check_reward_options(d, block, options)
+        options = self._filled(block, HTTP_REWARD_KEYS, "http reward")
         return RewardDecl(d.name.name, url, self.src.loc(d), True, kind, frozen(options))
-
-    def _check_reward_options(self, d: ast.RewardDecl, block: Mapping[str, _Entry],
-                              options: Mapping[str, Value]) -> None:
-        if "on_error" in block and options.get("on_error") not in ON_ERROR:
-            self.rep.error(block["on_error"].src, f"`on_error` must be one of {', '.join(map(repr, ON_ERROR))}",
-                           block["on_error"].entry.value, hint='write `on_error = "zero"` to score a failed sample 0')
-        for key, least in (("workers", 0), ("retries", 0), ("batch", 1), ("concurrency", 1)):
-            if key in block and isinstance(options.get(key), int) and int(str(options[key])) < least:
-                self.rep.error(block[key].src, f"`{key}` must be at least {least}", block[key].entry.value)
-        if "timeout" in block and float(str(options.get("timeout", 0))) < 0:
-            self.rep.error(block["timeout"].src, "`timeout` must be at least 0 (seconds; 0: no limit)",
-                           block["timeout"].entry.value)
-        if d.kind is None and float(str(options.get("timeout", 0) or 0)) > 0 and not int(str(options.get("workers", 0))):
-            self.rep.error(block["timeout"].src, "a reward `timeout` needs `workers` of its own (a call on the "
-                                                 "controller cannot be stopped)", block["timeout"].entry.key,
-                           hint="add `workers = 1` (or more, to score samples in parallel)")
 
     # ---- blocks ---------------------------------------------------------------------------------
 
@@ -234,25 +217,27 @@ class _Lowering:
             out[key] = _Entry(e, src)
         return out
 
-    def _typed(self, key: str, kind: str, at: _Entry) -> tuple[bool, Value]:
-        """(True, the checked value), or (False, None) after reporting the problem."""
+    def _typed(self, key: str, kind: str, at: _Entry, what: str | None = None) -> tuple[bool, Value]:
+        """(True, the checked value), or (False, None) after reporting the problem: a value of the wrong kind,
+        or (for a key of block `what`) outside the key's limit or choices (flowrl.ir.signatures.KEY_LIMITS)."""
         value = to_value(at.entry.value)
         try:
-            return True, coerce(kind, value)
+            value = coerce(kind, value)
+            return (what is None or check_value(self.rep, what, key, at, value)), value
         except KindError as err:
             hint = f"write `{key} = {err.suggestion}`" if err.suggestion else None
             self.rep.error(at.src, f"`{key}` must be {KIND_NAMES[kind]}, got {describe(value)}", at.entry.value,
                            hint=hint)
             return False, None
 
-    def _filled(self, block: dict[str, _Entry], keys: Mapping[str, tuple[str, Value]],
+    def _filled(self, block: dict[str, _Entry], keys: Mapping[str, tuple[str, Value]], what: str,
                 skip: Sequence[str] = ()) -> dict[str, Value]:
         """Each key's checked value, or its default (also when the value was wrong: that is reported)."""
         out: dict[str, Value] = {}
         for key, (kind, default) in keys.items():
             if key in skip:
                 continue
-            good, value = self._typed(key, kind, block[key]) if key in block else (False, None)
+            good, value = self._typed(key, kind, block[key], what) if key in block else (False, None)
             out[key] = value if good else default
         return out
 
@@ -261,6 +246,7 @@ class _Lowering:
     def _models(self, decls: list[ast.ModelDecl], ovr: Overrides) -> tuple[list[ModelDecl], dict[str, ReplicasAt]]:
         blocks = {d.name.name: self._block(d.entries, ovr.models.get(d.name.name, ()), ovr, MODEL_KEYS, "model")
                   for d in decls}
+        self._model_blocks = blocks
         own: dict[str, tuple[str, dict[str, Value]]] = {}  # models with a literal source: (source, config)
         for d in decls:
             if d.name.name in own:
@@ -282,7 +268,9 @@ class _Lowering:
                 self.rep.error(self.src, f"unknown role `{role}`", d.role,
                                hint=did_you_mean(role, ROLES) or f"roles: {', '.join(ROLES)}")
             source, source_model, config = self._source(d, block, blocks, own)
-            fields = self._filled(block, MODEL_KEYS, skip=(*CONFIG_KEYS, "source", "replicas"))
+            if name in own:  # a model with weights of its own: can its config make one?
+                check_shape(self.rep, self.src, d, block, source, config)
+            fields = self._filled(block, MODEL_KEYS, "model", skip=(*CONFIG_KEYS, "source", "replicas"))
             trainable = fields.pop("trainable", None)
             if trainable is None:
                 trainable = role in TRAINABLE_ROLES
@@ -290,9 +278,6 @@ class _Lowering:
             if "lr" not in block and not trainable:  # the default learning rate is for trainable models
                 lr = None
             engine = str(fields.pop("engine", "torch"))
-            if "engine" in block and engine not in ENGINES:
-                self.rep.error(block["engine"].src, f"unknown engine \"{engine}\"", block["engine"].entry.value,
-                               hint=did_you_mean(engine, ENGINES) or f"engines: {', '.join(ENGINES)}")
             gpus = fields.pop("gpus", 0)
             replicas = self._replicas(block.get("replicas"))
             if "replicas" in block:
@@ -326,6 +311,7 @@ class _Lowering:
         tiny = source.startswith("tiny:")
         if not tiny:  # a local Hugging Face directory, relative to the flow file
             source = "hf:" + os.path.normpath(os.path.join(self.folder, source[3:]))
+        check_source(self.rep, at, source, self.folder)
         config: dict[str, Value] = {}
         for key in CONFIG_KEYS:
             kind, default = MODEL_KEYS[key]
@@ -334,9 +320,8 @@ class _Lowering:
                     self.rep.error(block[key].src, f"`{key}` only applies to tiny: sources", block[key].entry.key,
                                    hint="an hf: model's shape comes from its config.json")
                     continue
-                good, v = self._typed(key, kind, block[key])
-                if good:
-                    config[key] = v
+                good, v = self._typed(key, kind, block[key], "model")
+                config[key] = v if good else default
             elif tiny and default is not None:
                 config[key] = default
         return source, config
@@ -383,7 +368,7 @@ class _Lowering:
                 self.rep.error(block[key].src, f"`{key}` cannot be set on `{name}`: its weights come from `{cur}`",
                                block[key].entry.key, hint=f"set it on `{cur}` instead")
                 continue
-            good, v = self._typed(key, MODEL_KEYS[key][0], block[key])
+            good, v = self._typed(key, MODEL_KEYS[key][0], block[key], "model")
             if good:
                 config[key] = v
         return source, ref.name, config
@@ -407,15 +392,24 @@ class _Lowering:
     def _data(self, decls: list[ast.DataDecl], ovr: Overrides) -> tuple[list[DataDecl], dict[str, DataSource]]:
         out: list[DataDecl] = []
         sources: dict[str, DataSource] = {}
+        self._data_blocks: dict[str, dict[str, _Entry]] = {}
+        self._prompts: dict[str, list[str]] = {}  # each data set's prompts, for the checks across keys
+        self._shown: dict[str, str] = {}
         for d in decls:
             name = d.name.name
             if name in sources:
                 continue
             block = self._block(d.entries, ovr.data.get(name, ()), ovr, DATA_KEYS, "data")
-            options = self._filled(block, DATA_KEYS)
+            self._data_blocks[name] = block
+            options = self._filled(block, DATA_KEYS, "data")
             path = self._data_path(d)
             if path is not None:
-                self._check_data(d, path, str(options.get("prompt_key", "prompt")))
+                key = str(options.get("prompt_key", "prompt"))
+                rows = self._check_data(d, path, key)
+                limit = options.get("limit")
+                rows = rows[:limit] if isinstance(limit, int) and limit > 0 else rows
+                self._prompts[name] = [str(r[key]) for r in rows]
+                self._shown[name] = self._shown_path(str(to_value(d.args[0].value)))
             out.append(DataDecl(name, d.kind.name, path or "", self.src.loc(d), frozen(options)))
             sources[name] = DataSource(self.src.loc(d), self.src.text_of(d), options)
         return out, sources
@@ -434,12 +428,13 @@ class _Lowering:
             return None
         return os.path.normpath(os.path.join(self.folder, str(args[0].value.value)))
 
-    def _check_data(self, d: ast.DataDecl, path: str, prompt_key: str) -> None:
-        """Read the file now, so a missing or malformed file is a check-time error, not a mid-run crash."""
+    def _check_data(self, d: ast.DataDecl, path: str, prompt_key: str) -> list[dict[str, Any]]:
+        """Read the file now, so a missing or malformed file is a check-time error, not a mid-run crash; its rows
+        ([] after reporting a problem)."""
         where = d.args[0].value
         written = str(to_value(where))
         try:
-            read_jsonl(path, prompt_key=prompt_key)
+            return read_jsonl(path, prompt_key=prompt_key)
         except DataError as e:
             for diag in e.diagnostics:
                 if diag.loc is None:  # about the file as a whole: point at the path in the flow
@@ -452,6 +447,7 @@ class _Lowering:
                     self.rep.add(replace(diag, loc=loc, hint=hint))
         except (OSError, UnicodeDecodeError, ValueError) as e:
             self.rep.error(self.src, f"cannot read data file \"{written}\": {type(e).__name__}: {e}", where)
+        return []
 
     def _shown_path(self, written: str) -> str:
         """A data file as messages name it: next to the flow's path as the user gave it (`examples/x.flow`
@@ -466,33 +462,8 @@ class _Lowering:
             self.rep.error(self.src, "a flow has at most one `run` block", extra,
                            hint=f"merge it into the one on line {runs[0].line}")
         block = self._block(runs[0].entries if runs else (), ovr.run, ovr, RUN_KEYS, "run")
-        filled = self._filled(block, RUN_KEYS)
-        for key in ("steps", "max_staleness", "checkpoint_every"):
-            value = filled.get(key)
-            if key in block and isinstance(value, int) and value < (1 if key == "steps" else 0):
-                self.rep.error(block[key].src, f"`{key}` must be at least {1 if key == 'steps' else 0}",
-                               block[key].entry.value,
-                               hint="0 is a synchronous run" if key == "max_staleness" else None)
-        for key in ("gpu_hour", "cpu_hour", "prewarm_margin"):
-            price = filled.get(key)
-            if key in block and isinstance(price, (int, float)) and price < 0:
-                self.rep.error(block[key].src, f"`{key}` must be at least 0", block[key].entry.value,
-                               hint="seconds before the stage" if key == "prewarm_margin" else
-                               "a price per hour; 0 leaves money out of the cost report")
-        tau = filled.get("migrate_at")
-        if "migrate_at" in block and isinstance(tau, (int, float)) and not 0.0 < float(tau) <= 1.0:
-            self.rep.error(block["migrate_at"].src, "`migrate_at` must be above 0 and at most 1",
-                           block["migrate_at"].entry.value, hint="1 never migrates")
-        dedup = filled.get("dedup_prefill")
-        if "dedup_prefill" in block and dedup not in DEDUP_PREFILL:
-            self.rep.error(block["dedup_prefill"].src, f"`dedup_prefill` must be one of {', '.join(DEDUP_PREFILL)}",
-                           block["dedup_prefill"].entry.value,
-                           hint="auto hands a shared prefix over where that measured cheaper than recomputing it")
-        weight = filled.get("cost_weight")
-        if "cost_weight" in block and isinstance(weight, (int, float)) and not 0.0 <= float(weight) <= 1.0:
-            self.rep.error(block["cost_weight"].src, "`cost_weight` must be between 0 and 1",
-                           block["cost_weight"].entry.value,
-                           hint="1 buys the fastest generation, 0 the fewest device-seconds")
+        self._run_block = block
+        filled = self._filled(block, RUN_KEYS, "run")
         return filled
 
     # ---- the iteration --------------------------------------------------------------------------

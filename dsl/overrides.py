@@ -1,6 +1,6 @@
 """`--set KEY=VALUE` overrides, parsed into entries that lowering merges into the flow before checking.
 
-Keys are `MODEL.KEY`, `DATA.KEY`, `run.KEY` or `use.PARAM`; values are flow literal text (`8`, `1e-4`,
+Keys are `MODEL.KEY`, `DATA.KEY`, `REWARD.KEY`, `run.KEY` or `use.PARAM`; values are flow literal text (`8`, `1e-4`,
 `true`, `"s"`, `2..16`, a name). The overrides form their own source, `<overrides>`, one `KEY=VALUE`
 line each, so a bad value is reported with a caret like any other error.
 """
@@ -45,7 +45,7 @@ def parse_overrides(overrides: Mapping[str, str] | None, models: list[str], data
         key_span = ast.Span(line, 1, line, len(key) + 1)
         m = _KEY.match(key)
         if m is None:
-            rep.error(src, f"override `{key}` must be MODEL.KEY, DATA.KEY, run.KEY or use.PARAM", key_span)
+            rep.error(src, f"override `{key}` must be MODEL.KEY, DATA.KEY, REWARD.KEY, run.KEY or use.PARAM", key_span)
             continue
         target, name = m.group(1), m.group(2)
         name_ident = ast.Ident(name, ast.Span(line, len(target) + 2, line, len(key) + 1))
@@ -68,9 +68,10 @@ def parse_overrides(overrides: Mapping[str, str] | None, models: list[str], data
         elif target in rewards:
             out.rewards.setdefault(target, []).append(ast.Entry(name_ident, value, span))
         else:
-            hint = did_you_mean(target, [*models, *data, "run", "use"]) or (
-                f"models: {', '.join(models) or 'none'}; data: {', '.join(data) or 'none'}; or `run`, `use`")
-            rep.error(src, f"override `{key}`: no model or data named `{target}`",
+            hint = did_you_mean(target, [*models, *data, *rewards, "run", "use"]) or (
+                f"models: {', '.join(models) or 'none'}; data: {', '.join(data) or 'none'}; "
+                f"rewards: {', '.join(rewards) or 'none'}; or `run`, `use`")
+            rep.error(src, f"override `{key}`: no model, data or reward named `{target}`",
                       ast.Span(line, 1, line, len(target) + 1), hint=hint)
     return out
 

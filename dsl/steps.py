@@ -21,6 +21,7 @@ from flowrl.ir.signatures import FUNCTIONS, METHODS, REWARD, SCORE, Param, Signa
 from . import ast
 from .dag import cycle_through, strongly_connected, topological
 from .diagnostics import Reporter, Source, did_you_mean, one_of
+from .keys import out_of_limit
 from .values import (
     KIND_NAMES,
     Binding,
@@ -100,6 +101,9 @@ class StepLowering:
     def __init__(self, rep: Reporter, data: Mapping[str, DataSource]) -> None:
         self.rep = rep
         self.data = data
+        # (node id, parameter) -> where its literal was written: the argument, the `use` argument or template
+        # default it came through, or the call itself for a signature default (for checks across nodes)
+        self.written: dict[tuple[str, str], tuple[Source, ast.Located]] = {}
 
     # ---- entry point --------------------------------------------------------------------------
 
@@ -301,6 +305,7 @@ class StepLowering:
                     ok = False
                 elif param.kind != "node":
                     p.attrs[param.name] = param.default
+                    self.written[(p.id, param.name)] = (body.src, call.callee)
                 continue
             if param.kind == "node":
                 node = self._node_arg(body, param, found_arg.value, what, bound)
@@ -312,6 +317,7 @@ class StepLowering:
                 good, value = self._literal_arg(body, param, found_arg.value, what, bound)
                 if good:
                     p.attrs[param.name] = value
+                    self.written[(p.id, param.name)] = self._origin(body, found_arg.value)
                 else:
                     ok = False
         return ok
@@ -378,7 +384,17 @@ class StepLowering:
                                 f"{', '.join(literal_text(c) for c in param.choices)}, got {describe(value)}",
                            where, hint=hint)
             return False, None
+        if param.limit is not None and value is not None and out_of_limit(param.limit, value):
+            self.rep.error(src, f"argument `{pname}` of {owner} must be {param.limit}, got {describe(value)}", where,
+                           hint=param.limit.why)
+            return False, None
         return True, value
+
+    @staticmethod
+    def _origin(body: Body, expr: ast.Expr) -> tuple[Source, ast.Located]:
+        """Where the literal an argument stands for was written (through a template parameter, if it is one)."""
+        b = body.env.get(expr.name) if isinstance(expr, ast.Name) else None
+        return (b.src, b.expr) if isinstance(b, LiteralB) else (body.src, expr)
 
     # ---- the graph ------------------------------------------------------------------------------
 

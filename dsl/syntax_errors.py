@@ -222,8 +222,11 @@ def describe_error(src: Source, e: UnexpectedToken | UnexpectedCharacters,
         assert isinstance(e, UnexpectedToken)
         expected = sorted({_terminal(t) for t in e.accepts or e.expected})
         line, col = _line_col(text, pos)
+        # a misspelt keyword (`modle`, `rnu`) lexes as a name: suggest the keyword it is closest to
+        keywords = [t.strip("`") for t in expected if t.startswith("`") and t.strip("`").isidentifier()]
+        near = did_you_mean(str(e.token), keywords) if e.token.type == "NAME" else None
         return src.error_at(f"syntax error: unexpected {tok_text}, expected {', '.join(expected)}", line, col,
-                            width)
+                            width, hint=near)
 
     if (label in ("missing_rparen", "missing_rbracket") and isinstance(e, UnexpectedToken)
             and e.token.type in _VALUE_TOKENS and "\n" not in text[_end_of_previous(text, pos):pos]):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from flowrl.errors import Diagnostic, FlowError
@@ -94,6 +94,9 @@ class Expander:
                            hint=did_you_mean(name, known) or f"templates: {', '.join(known)}")
             return None
         tdecl, tsrc = found
+        if tsrc.path != src.path:  # a standard template: its lines' problems also point at this `use`
+            note = src.error(f"in the standard template `{name}` (`flowrl show {name}`), used here", use.template)
+            self.rep.called_from[tsrc.path] = replace(note, severity="note")
         given = self._given(name, tdecl, args)
         env: dict[str, Binding] = {}
         origins: dict[str, tuple[Source, ast.Located]] = {}

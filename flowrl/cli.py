@@ -47,8 +47,11 @@ def _parser() -> argparse.ArgumentParser:
         return sub.add_parser(name, help=help, description=help, epilog=f"example:\n  {example}",
                               formatter_class=argparse.RawDescriptionHelpFormatter)
 
-    c = verb("check", "Check flow files; exit 0 when all are valid.", "flowrl check examples/*.flow")
+    c = verb("check", "Check flow files; exit 0 when all are valid (warnings are printed and don't fail).",
+             "flowrl check examples/*.flow --backend process")
     c.add_argument("files", nargs="+", metavar="FILE")
+    c.add_argument("--backend", default=None, choices=backend_names(),
+                   help="the backend it will run on: what the flow asks for and that backend can't do is a warning")
 
     c = verb("compile", "Compile a flow and print its graph (text, or JSON with --json).",
              "flowrl compile examples/grpo_arith.flow --json --no-pass share-prefix")
@@ -75,7 +78,7 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--seed", type=int, default=None)
     c.add_argument("--device", default=None, help="auto | cpu | cuda (default: run { device })")
     c.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override MODEL.KEY, DATA.KEY, run.KEY or use.PARAM")
+                   help="override MODEL.KEY, DATA.KEY, REWARD.KEY, run.KEY or use.PARAM")
     c.add_argument("--out", default=None, metavar="DIR", help="run directory (default runs/<flow>)")
     c.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --out")
     c.add_argument("--overwrite", action="store_true", help="replace a run already in --out")
@@ -147,9 +150,57 @@ def cmd_check(args: argparse.Namespace) -> int:
             failed += 1
         else:
             print(f"{f}: ok")
-            for note in _settings_not_applied(optimize(graph)):
+            for w in graph.warnings:
+                print(w.render(), file=sys.stderr)
+            optimized = optimize(graph)
+            for note in _settings_not_applied(optimized):
                 print(f"{f}: note: {note}")
+            if args.backend is not None:
+                for w in _backend_warnings(optimized, args.backend):
+                    print(f"{f}: {w.render()}", file=sys.stderr)
+            else:
+                for note in _async_notes(optimized):  # on stderr with the warnings: about where it runs
+                    print(f"{f}: note: {note}", file=sys.stderr)
     return 1 if failed else 0
+
+
+def _staleness(graph: Graph) -> int:
+    """The `max_staleness` of an asynchronous graph (pass async-rollout applied), else 0."""
+    return max((int(str(n.attrs.get("max_staleness", 0) or 0)) for n in graph.nodes if n.op == "generate"),
+               default=0)
+
+
+def _why_not_async(backend: str) -> str:
+    """Why `backend` cannot overlap generation with training ("" when it can): its class says so."""
+    import importlib
+
+    module, _, attr = backend_entries()[backend].target.partition(":")
+    return str(getattr(getattr(importlib.import_module(module), attr), "why_not_async", ""))
+
+
+def _backend_warnings(graph: Graph, backend: str) -> list[Diagnostic]:
+    """What `graph` asks for that `backend` cannot do: an asynchronous flow on a backend that can't overlap."""
+    k = _staleness(graph)
+    why = _why_not_async(backend) if k else ""
+    if not why:
+        return []
+    able = [n for n, e in backend_entries().items() if n != backend and (e.extra or not _why_not_async(n))]
+    return [Diagnostic(f"run {{ max_staleness = {k} }} is not applied on the {backend} backend, the run is "
+                       f"synchronous: {why}", hint="run it with --backend " + (", ".join(able[:-1]) + " or " + able[-1] if len(able) > 1
+                                                         else "".join(able)),
+                       severity="warning")]
+
+
+def _async_notes(graph: Graph) -> list[str]:
+    """Without --backend: the backends an asynchronous flow runs synchronously on. Backends with an extra (Ray)
+    are not imported to ask: they hold their own copies of the models."""
+    k = _staleness(graph)
+    if not k:
+        return []
+    sync = [n for n, e in backend_entries().items() if not e.extra and _why_not_async(n)]
+    return [f"run {{ max_staleness = {k} }} overlaps generation with training on the "
+            f"{', '.join(n for n in backend_entries() if n not in sync)} backends; on {' and '.join(sync)} the run "
+            "is synchronous (`flowrl check --backend NAME` says which applies)"] if sync else []
 
 
 def _settings_not_applied(graph: Graph) -> list[str]:
@@ -190,6 +241,15 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     graph = compile_args(args)
     out = Path(args.out or Path("runs") / graph.flow)
+    args.crash_dir = out  # where a flowrl bug's crash log goes (main), now that the run has a directory
+    if args.device is not None:
+        from flowrl.models.sources import device_problem
+
+        problem = device_problem(args.device)
+        if problem is not None:
+            raise FlowError(Diagnostic(f"--device: {problem[0]}", hint="--device takes auto, cpu, cuda or cuda:N"))
+    for w in [*graph.warnings, *_backend_warnings(graph, args.backend)]:  # before the first step
+        print(w.render(), file=sys.stderr)
     total = args.steps if args.steps is not None else int(str(graph.run.get("steps", 100)))
     takes = backends.entries()[args.backend].options
     if args.address is not None and "address" not in takes:
@@ -204,9 +264,6 @@ def cmd_run(args: argparse.Namespace) -> int:
     last = result.metrics[-5:]
     for note in _settings_not_applied(graph):
         print(f"note: {note}", file=sys.stderr)
-    about = json.loads((out / "run.json").read_text()) if (out / "run.json").exists() else {}
-    if "synchronous" in about:  # the graph is asynchronous, this backend can't be
-        print(f"note: {about['synchronous']}", file=sys.stderr)
     if last:
         mean = sum(r.get("reward_mean", 0.0) for r in last) / len(last)
         print(f"done: {result.steps} steps, last-5 reward_mean {mean:.3f}; outputs in {out}")
@@ -281,11 +338,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         _closed_output()
         return 141  # 128 + SIGPIPE
     except Exception as e:  # a flowrl bug: say so plainly, keep the details in a file rather than the screen
-        log = Path.cwd() / "flowrl-crash.log"
-        log.write_text(traceback.format_exc(), encoding="utf-8")
+        log = _crash_log(getattr(args, "crash_dir", None), traceback.format_exc())
         print(f"flowrl: internal error: {type(e).__name__}: {e}\n(details in {log}; please report it)",
               file=sys.stderr)
         return 2
+
+
+def _crash_log(folder: Path | None, text: str) -> Path:
+    """A new file holding `text`: in the run's directory for `run` (else the temporary folder), never the working
+    directory, never over an earlier crash's log."""
+    import tempfile
+
+    where = folder if folder is not None else Path(tempfile.gettempdir())
+    try:
+        where.mkdir(parents=True, exist_ok=True)
+        fd, name = tempfile.mkstemp(prefix="flowrl-crash-", suffix=".log", dir=where)
+    except OSError:
+        fd, name = tempfile.mkstemp(prefix="flowrl-crash-", suffix=".log")
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(text)
+    return Path(name)
 
 
 def _closed_output() -> None:

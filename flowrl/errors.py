@@ -6,7 +6,10 @@ Python traceback for a user mistake.
 
 from __future__ import annotations
 
+import os
+import sysconfig
 from dataclasses import dataclass
+from types import TracebackType
 
 
 @dataclass(frozen=True)
@@ -30,7 +33,8 @@ class Diagnostic:
     loc: Loc | None = None
     hint: str | None = None
     source_line: str | None = None
-    severity: str = "error"
+    severity: str = "error"  # "error", "warning" (shown, the flow still runs) or "note" (in `notes`)
+    notes: tuple[Diagnostic, ...] = ()  # where else it comes from: the `use` of the template a line is in
 
     def render(self) -> str:
         head = f"{self.loc}: {self.severity}: {self.message}" if self.loc else f"{self.severity}: {self.message}"
@@ -44,6 +48,7 @@ class Diagnostic:
             lines.append("    " + " " * (self.loc.col - 1) + "^" * width)
         if self.hint:
             lines.append(f"hint: {self.hint}")
+        lines.extend(n.render() for n in self.notes)
         return "\n".join(lines)
 
 
@@ -72,3 +77,24 @@ class RewardError(FlowError):
 
 class ExecutionError(FlowError):
     """A node failed at run time; names the node and its flow source line."""
+
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__))
+_NOT_USERS = tuple({*(os.path.realpath(os.path.join(_PACKAGE, d)) for d in ("", "dsl", "backends")), _PACKAGE,
+                    *(os.path.realpath(sysconfig.get_paths()[k]) for k in ("stdlib", "platstdlib", "purelib",
+                                                                            "platlib"))})
+
+
+def user_frame_hint(tb: TracebackType | None) -> str:
+    """Where the user's own code (a reward, a `@flowrl.function`) raised, from a traceback: never a path inside
+    flowrl or an installed library, which would send the user to code that is not theirs."""
+    import traceback
+
+    for frame in reversed(traceback.extract_tb(tb)):
+        path = os.path.abspath(frame.filename)
+        if frame.filename.startswith("<") or path.startswith(_NOT_USERS) or os.path.realpath(path).startswith(
+                _NOT_USERS):
+            continue
+        shown = os.path.relpath(path) if not os.path.relpath(path).startswith("..") else path
+        return f"raised at {shown}:{frame.lineno} in {frame.name}"
+    return "no code of yours raised it: if the flow is right, this is a flowrl bug; please report it"

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any, Union
 
-from flowrl.errors import Loc
+from flowrl.errors import Diagnostic, Loc
 
 OPS = ("data", "generate", "logprobs", "values", "score", "reward", "fn", "update")
 ROLES = ("policy", "reference", "critic", "reward_model")
@@ -184,6 +184,7 @@ class Graph:
     imports: tuple[str, ...] = ()
     passes: tuple[PassRecord, ...] = ()
     template: str | None = None  # the `use`d template, if any
+    warnings: tuple[Diagnostic, ...] = ()  # what `flowrl check` and `flowrl run` print, located; the flow runs
 
     def node(self, node_id: str) -> Node:
         for n in self.nodes:

@@ -35,7 +35,9 @@ def format_node(n: Node) -> str:
     attrs = {k: v for k, v in n.attrs.items() if not (n.op in ("fn", "reward") and k == "fn")}
     tail = f" {{{_kv(attrs)}}}" if attrs else ""
     where = f"@{n.worker_group}/{n.dispatch}"
-    return f"  {n.id} = {call}({args}){tail}  {where}  # {n.loc.line}:{n.loc.col}"
+    # a node from a standard template names the template's file: its line is the template's, not the flow's
+    line = f"{n.loc.path}:{n.loc.line}:{n.loc.col}" if n.loc.path.startswith("<stdlib>/") else f"{n.loc.line}:{n.loc.col}"
+    return f"  {n.id} = {call}({args}){tail}  {where}  # {line}"
 
 
 def to_text(g: Graph) -> str:

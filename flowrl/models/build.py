@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from flowrl.models.attention import install as install_attention
+from flowrl.models.sources import hf_source_problem, tiny_shape_problem, tiny_tokenizer
 from flowrl.models.tokenizer import ByteTokenizer, CharTokenizer, HFTokenizer, Tokenizer
 
 __all__ = ["ROLES", "SOURCES", "LoadedModel", "ModelSpec", "ValueModel", "build_model", "cache_kw", "copy_backbone"]
@@ -159,13 +160,15 @@ def quiet_transformers() -> Iterator[None]:
 def _build_lm(spec: ModelSpec, dtype: torch.dtype) -> tuple[Any, Tokenizer]:
     source = spec.source
     if source in ("tiny:gpt2", "tiny:llama"):
-        charset = spec.config.get("charset")
-        tokenizer: ByteTokenizer | CharTokenizer = CharTokenizer(str(charset)) if charset else ByteTokenizer()
+        tokenizer = tiny_tokenizer(spec.config)
         return _tiny_lm(source.split(":", 1)[1], spec.config, tokenizer).to(dtype), tokenizer
     if source.startswith("hf:") and len(source) > 3:
         from transformers import AutoModelForCausalLM
 
         path = source[3:]
+        problem = hf_source_problem(path)
+        if problem is not None:  # before transformers, which would take the path for a hub repo id
+            raise ValueError(f"cannot load {source}: {problem}")
         with quiet_transformers():
             model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype)
         return model, HFTokenizer(path)
@@ -176,15 +179,14 @@ def _tiny_lm(family: str, config: Mapping[str, object], tokenizer: ByteTokenizer
     unknown = set(config) - _TINY_KEYS
     if unknown:
         raise ValueError(f"unknown tiny model keys {sorted(unknown)}; allowed: {sorted(_TINY_KEYS)}")
-    missing = {"layers", "dim", "heads"} - set(config)
-    if missing:
-        raise ValueError(f"tiny:{family} needs keys {sorted(missing)}")
-    layers, dim, heads = _int(config, "layers"), _int(config, "dim"), _int(config, "heads")
+    # the defaults are the language's (flowrl.ir.signatures.MODEL_KEYS), for specs made without a flow
+    layers, dim, heads = _int(config, "layers", 2), _int(config, "dim", 64), _int(config, "heads", 4)
     context = _int(config, "context", 512)
     dropout = float(config.get("dropout", 0.0))  # type: ignore[arg-type]
     vocab = max(_int(config, "vocab", tokenizer.vocab_size), tokenizer.vocab_size)
-    if dim % heads:
-        raise ValueError(f"tiny:{family}: dim={dim} is not divisible by heads={heads}")
+    problem = tiny_shape_problem(family, config)
+    if problem is not None:
+        raise ValueError(f"tiny:{family}: {problem[1]}")
     if family == "gpt2":
         from transformers import GPT2Config, GPT2LMHeadModel
 

@@ -370,7 +370,7 @@ DECLARATION = [
         hint: set it on `actor` instead
     """),
     ('model actor : policy { source = "tiny:gpt2", engine = "vlm", replicas = 0, trainable = "yes" }\nstep { }\n', """
-        t.flow:1:55: error: unknown engine "vlm"
+        t.flow:1:55: error: `engine` must be one of torch, vllm, deepspeed
             model actor : policy { source = "tiny:gpt2", engine = "vlm", replicas = 0, trainable = "yes" }
                                                                   ^^^^^
         hint: did you mean `vllm`?

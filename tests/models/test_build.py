@@ -119,7 +119,8 @@ def test_reference_is_frozen_and_in_eval() -> None:
         (ModelSpec("hf:"), "unknown model source"),
         (ModelSpec("tiny:gpt2", TINY, role="judge"), "unknown model role"),
         (ModelSpec("tiny:gpt2", TINY, dtype="int8"), "unknown dtype"),
-        (ModelSpec("tiny:gpt2", {"layers": 2, "dim": 32}), "needs keys"),
+        (ModelSpec("tiny:llama", {"layers": 1, "dim": 12, "heads": 4}), "even head size"),
+        (ModelSpec("hf:/nonexistent/model"), "cannot load hf:/nonexistent/model: directory not found"),
         (ModelSpec("tiny:gpt2", {**TINY, "width": 3}), "unknown tiny model keys"),
         (ModelSpec("tiny:gpt2", {**TINY, "heads": 3}), "not divisible"),
         (ModelSpec("tiny:gpt2", {**TINY, "layers": 0}), "positive int"),
@@ -128,6 +129,20 @@ def test_reference_is_frozen_and_in_eval() -> None:
 def test_bad_specs_raise_clear_errors(spec: ModelSpec, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         build_model(spec, seed=0)
+
+
+def test_a_tiny_model_without_a_shape_takes_the_languages_defaults() -> None:
+    """docs/language.md promises defaults for `layers`, `dim`, `heads`: `build_model` uses the same ones."""
+    from flowrl.ir.signatures import MODEL_KEYS
+
+    cfg = build_model(ModelSpec("tiny:gpt2"), seed=0).module.config
+    assert (cfg.n_layer, cfg.n_embd, cfg.n_head) == (MODEL_KEYS["layers"][1], MODEL_KEYS["dim"][1],
+                                                     MODEL_KEYS["heads"][1]) == (2, 64, 4)
+
+
+def test_an_hf_directory_without_config_json_is_named(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="no config.json"):
+        build_model(ModelSpec(f"hf:{tmp_path}"), seed=0)
 
 
 def _save_tiny_hf_checkpoint(path: Path) -> list[str]:

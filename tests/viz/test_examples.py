@@ -36,7 +36,8 @@ def test_examples_render(tmp_path: Path) -> None:
 
 def test_a_placed_flow_renders(tmp_path: Path) -> None:
     """A flow through the real front end, with a placement block (pools, an elastic range)."""
-    (tmp_path / "arith.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n', encoding="utf-8")
+    rows = "".join(f'{{"prompt": "{a}+1=", "answer": "{a + 1}"}}\n' for a in range(4))  # one per prompt of a batch
+    (tmp_path / "arith.jsonl").write_text(rows, encoding="utf-8")
     flow = tmp_path / "placed_ppo.flow"
     flow.write_text(PLACED_PPO, encoding="utf-8")
     _render_all([flow], tmp_path)

@@ -1,0 +1,218 @@
+"""Checks across keys, declarations and nodes (lowering, after `dsl.steps`): what would otherwise only fail, or
+silently go wrong, once a flow runs — a tiny model's shape, an `hf:` directory, the device, prompts plus
+`max_tokens` within the model's positions, a batch larger than its data, a charset missing the data's characters,
+a generation's `n` against its advantage's `group`, GRPO with groups of one.
+
+Each check reads the lowered declarations and nodes plus where each value was written (`Flow`), and reports,
+located, through the Reporter; none builds a model. The model-side facts (what a tiny shape needs, what a device
+or a local checkpoint needs) come from `flowrl.models.build`, which `run` checks with the same functions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from flowrl.ir.graph import DataDecl, ModelDecl, Node
+from flowrl.ir.signatures import TINY_SOURCES
+from flowrl.models.sources import (
+    device_problem,
+    hf_positions,
+    hf_source_problem,
+    tiny_shape_problem,
+    tiny_tokenizer,
+)
+
+from . import ast
+from .diagnostics import Reporter, Source, did_you_mean
+from .keys import Entry
+
+Block = Mapping[str, Entry]
+
+
+def check_source(rep: Reporter, at: Entry, source: str, folder: str) -> bool:
+    """A `tiny:` name that exists, an `hf:` directory that exists and holds a config.json; True when fine."""
+    written = str(at.entry.value.value) if isinstance(at.entry.value, ast.Literal) else source
+    if source.startswith("tiny:"):
+        if source in TINY_SOURCES:
+            return True
+        rep.error(at.src, f"unknown tiny model \"{source}\"", at.entry.value,
+                  hint=did_you_mean(source, TINY_SOURCES) or f"tiny models: {', '.join(TINY_SOURCES)}")
+        return False
+    problem = hf_source_problem(source[3:])
+    if problem is None:
+        return True
+    hint = (f"an hf: source is a local Hugging Face directory, relative to the flow file's folder ({folder}); "
+            "flowrl never downloads" if "found" in problem else
+            "a Hugging Face checkpoint directory holds config.json next to its weights "
+            "(`model.save_pretrained(DIR)` writes one)")
+    rep.error(at.src, f"cannot load \"{written}\": {problem} ({source[3:]})", at.entry.value, hint=hint)
+    return False
+
+
+def check_shape(rep: Reporter, src: Source, decl: ast.ModelDecl, block: Block, source: str,
+                config: Mapping[str, Any]) -> None:
+    """A tiny config that can make a model (`dim` divisible by `heads`, an even head size for llama)."""
+    if source not in TINY_SOURCES:
+        return
+    found = tiny_shape_problem(source.split(":", 1)[1], config)
+    if found is None:
+        return
+    key, why = found
+    dim = int(config.get("dim", 64))
+    fits = [h for h in range(1, min(dim, 32) + 1) if dim % h == 0 and (source != "tiny:llama" or (dim // h) % 2 == 0)]
+    hint = f"heads that fit dim = {dim}: {', '.join(map(str, fits[-6:]))}" if fits else "choose another dim"
+    at = block.get(key) or block.get("dim")
+    if at is not None:
+        rep.error(at.src, why, at.entry.value, hint=hint)
+    else:
+        rep.error(src, why, decl.name, hint=hint)
+
+
+def check_device(rep: Reporter, block: Block, device: object) -> None:
+    """`run { device }`: known, and usable on this machine (`cuda` where torch has no CUDA is an error)."""
+    at = block.get("device")
+    problem = device_problem(str(device)) if at is not None else None
+    if at is not None and problem is not None:
+        rep.error(at.src, problem[0], at.entry.value, hint=problem[1])
+
+
+@dataclass(frozen=True)
+class Flow:
+    """What the checks across declarations and nodes read: the lowered declarations and nodes, each model's
+    and data's block as written, each data set's prompts, and where each node's literals were written."""
+
+    src: Source
+    models: Sequence[ModelDecl]
+    model_blocks: Mapping[str, Block]
+    data: Sequence[DataDecl]
+    data_decls: Mapping[str, ast.DataDecl]
+    data_blocks: Mapping[str, Block]
+    prompts: Mapping[str, Sequence[str]]  # data name -> its prompts (after `limit`)
+    shown: Mapping[str, str]  # data name -> its file as the flow names it
+    nodes: Sequence[Node]
+    written: Mapping[tuple[str, str], tuple[Source, ast.Located]]
+
+
+def check_flow(rep: Reporter, flow: Flow) -> None:
+    _check_batches(rep, flow)
+    by_id = {n.id: n for n in flow.nodes}
+    for node in flow.nodes:
+        if node.op == "generate":
+            _check_generation(rep, flow, node)
+        if node.op == "fn" and node.attrs.get("fn") in ("group_advantage", "rloo_advantage"):
+            _check_group(rep, flow, node, by_id)
+
+
+def _check_batches(rep: Reporter, flow: Flow) -> None:
+    for d in flow.data:
+        rows = len(flow.prompts.get(d.name, ()))
+        batch = d.options.get("batch")
+        if not rows or not isinstance(batch, int) or batch <= rows:
+            continue
+        at = flow.data_blocks.get(d.name, {}).get("batch")
+        why = (f"`batch = {batch}` prompts a step is more than the {rows} rows of {flow.shown[d.name]}"
+               + (" (after `limit`)" if d.options.get("limit") else ""))
+        hint = f"a step takes `batch` different prompts: at most `batch = {rows}`, or more rows"
+        if at is not None:
+            rep.error(at.src, why, at.entry.value, hint=hint)
+        else:  # the default batch: the flow never asked for it, so it runs (prompts repeat within a step)
+            rep.warn(flow.src, why.replace("`batch", "the default `batch"), flow.data_decls[d.name].name,
+                     hint=hint.replace("at most", "write"))
+
+
+def _root(flow: Flow, name: str) -> ModelDecl | None:
+    by_name = {m.name: m for m in flow.models}
+    m = by_name.get(name)
+    seen: set[str] = set()
+    while m is not None and m.source_model is not None and m.source_model in by_name and m.name not in seen:
+        seen.add(m.name)
+        m = by_name[m.source_model]
+    return m
+
+
+def _check_generation(rep: Reporter, flow: Flow, node: Node) -> None:
+    max_tokens, min_tokens = node.attrs.get("max_tokens"), node.attrs.get("min_tokens")
+    if isinstance(max_tokens, int) and isinstance(min_tokens, int) and min_tokens > max_tokens:
+        src, where = flow.written[(node.id, "min_tokens")]
+        rep.error(src, f"`min_tokens = {min_tokens}` is more than `max_tokens = {max_tokens}`", where,
+                  hint="a response cannot be required to be longer than it may be")
+    root = _root(flow, str(node.model))
+    data = dict(node.inputs).get("prompts")
+    if root is None or not isinstance(max_tokens, int) or data not in flow.prompts:
+        return
+    prompts = flow.prompts[data]
+    if root.source in TINY_SOURCES:
+        context = root.config.get("context")
+        tok = tiny_tokenizer(root.config)
+        longest = max((len(tok.encode(p)) for p in prompts), default=0) + (tok.bos_id is not None)
+        _check_charset(rep, flow, root, data, prompts)
+    else:  # an hf: checkpoint: its positions from config.json; its tokenizer is not loaded to check
+        context, longest = hf_positions(root.source[3:]), 1
+    if not isinstance(context, int) or longest + max_tokens <= context:
+        return
+    src, where = flow.written[(node.id, "max_tokens")]
+    what = (f"the longest prompt of `{data}` ({longest} tokens with <bos>)" if root.source in TINY_SOURCES
+            else "a prompt's first token")
+    room = context - longest
+    hint = (f"`max_tokens` can be at most {room} here, or give `{root.name}` more positions (`context = "
+            f"{longest + max_tokens}`)" if room >= 1 else
+            f"the prompts alone fill the positions: give `{root.name}` more (`context = {longest + max_tokens}`)")
+    if root.source not in TINY_SOURCES:
+        hint = f"`max_tokens` can be at most {room} for this checkpoint"
+    if src.path != flow.src.path and room >= 1:  # the template's default: the user sets it in their `use`
+        hint = f"pass `max_tokens = {room}` (or less) in the `use`, or give `{root.name}` more positions"
+    rep.error(src, f"`max_tokens = {max_tokens}` and {what} need {longest + max_tokens} positions; "
+                   f"model `{root.name}` has {context}", where, hint=hint)
+
+
+def _check_charset(rep: Reporter, flow: Flow, root: ModelDecl, data: str, prompts: Sequence[str]) -> None:
+    charset = root.config.get("charset")
+    at = flow.model_blocks.get(root.name, {}).get("charset")
+    if not isinstance(charset, str) or not charset or at is None:
+        return
+    have = set(charset)
+    missing = sorted({c for p in prompts for c in p} - have)
+    if not missing:
+        return
+    shown = "".join(missing)
+    rep.error(at.src, f"`charset` lacks {len(missing)} character{'s' if len(missing) > 1 else ''} the prompts of "
+                      f"`{data}` use: {shown!r}", at.entry.value,
+              hint="each would become <unk>, the same token for all of them: add them "
+                   f"(`charset = {_flow_string(charset + shown)}`)" if len(charset) + len(shown) <= 60 else
+                   "each would become <unk>, the same token for all of them: add them to `charset`")
+
+
+def _flow_string(text: str) -> str:
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n").replace("\t", "\\t") + '"'
+
+
+def _check_group(rep: Reporter, flow: Flow, node: Node, by_id: Mapping[str, Node]) -> None:
+    group = node.attrs.get("group")
+    if not isinstance(group, int) or (node.id, "group") not in flow.written:
+        return
+    src, where = flow.written[(node.id, "group")]
+    gen = _generation_of(node, by_id)
+    n = gen.attrs.get("n") if gen is not None else None
+    if gen is not None and isinstance(n, int) and n != group:
+        rep.error(src, f"`group = {group}` but `{gen.id}` samples {n} response{'s' if n > 1 else ''} per prompt "
+                       "(`n`)", where, hint=f"the groups are the responses to one prompt: `group = {n}`")
+    elif group == 1 and node.attrs.get("fn") == "group_advantage":
+        rep.warn(src, "`group = 1`: each response is alone in its group, so every advantage is 0 and the policy "
+                      "cannot learn", where,
+                 hint="GRPO compares the responses to one prompt with each other: sample several (`group = 8`)")
+
+
+def _generation_of(node: Node, by_id: Mapping[str, Node]) -> Node | None:
+    """The generate node a node's inputs come from (scores <- reward <- rollout), if one."""
+    todo, seen = [src for _, src in node.inputs], set()
+    while todo:
+        cur = by_id.get(todo.pop(0))
+        if cur is None or cur.id in seen:
+            continue
+        if cur.op == "generate":
+            return cur
+        seen.add(cur.id)
+        todo.extend(src for _, src in cur.inputs)
+    return None
