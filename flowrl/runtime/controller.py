@@ -5,13 +5,12 @@ group and running data, reward and step-function nodes itself. Every node is tim
 from __future__ import annotations
 
 import time
-import traceback
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from flowrl.data.jsonl import PromptLoader
-from flowrl.errors import Diagnostic, ExecutionError, FlowError
+from flowrl.errors import Diagnostic, ExecutionError, FlowError, user_frame_hint
 from flowrl.ir.graph import Graph, Node
 from flowrl.runtime.batch import Batch, training_batch
 from flowrl.runtime.functions import call_function
@@ -231,8 +230,5 @@ def _context(node: Node, flow_path: str, error: BaseException | None = None) -> 
     hint = None
     if error is not None:
         message += f": {type(error).__name__}: {error}"
-        frames = traceback.extract_tb(error.__traceback__)
-        if frames:
-            last = frames[-1]
-            hint = f"raised at {last.filename}:{last.lineno} in {last.name}"
+        hint = user_frame_hint(error.__traceback__)  # the user's code that raised, never a flowrl path
     return Diagnostic(message, hint=hint)
