@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from flowrl.ir.graph import GroupDecl, ModelDecl, Node, PoolDecl, Range
+from flowrl.ir.graph import GroupDecl, ModelDecl, Node, PoolDecl, Range, Value, frozen
 from flowrl.ir.signatures import METHODS
 
 from . import ast
@@ -22,7 +22,8 @@ from .values import KindError, coerce, describe, to_value
 
 COLOCATED = "colocated"
 DEFAULT = "default"
-POOL_KEYS = ("gpus", "elastic")
+POOL_KEYS = ("gpus", "elastic", "gpu_fraction", "keep_warm")
+KEEP_WARM = ("host", "device")  # serverless: where an instance's models wait between tasks
 
 
 @dataclass(frozen=True)
@@ -105,6 +106,7 @@ class Placer:
                 continue
             gpus: int | float | Range | None = None
             elastic = False
+            options: dict[str, Value] = {}  # the serverless backend's keys (gpu_fraction, keep_warm)
             for e in p.entries:
                 key = e.key.name
                 if key not in POOL_KEYS:
@@ -112,7 +114,9 @@ class Placer:
                                    hint=did_you_mean(key, POOL_KEYS) or f"pool keys: {one_of(POOL_KEYS)}")
                     continue
                 value = to_value(e.value)
-                if key == "elastic":
+                if key in ("gpu_fraction", "keep_warm"):
+                    self._option(src, e, key, value, options)
+                elif key == "elastic":
                     try:
                         elastic = bool(coerce("bool", value))
                     except KindError:
@@ -124,8 +128,24 @@ class Placer:
                                    e.value)
             if gpus is None and not any(e.key.name == "gpus" for e in p.entries):
                 self.rep.error(src, f"pool `{name}` needs `gpus`", p.name, hint=f"write `pool {name} {{ gpus = 8 }}`")
-            out[name] = PoolDecl(name, gpus if gpus is not None else 0, src.loc(p), elastic)
+            out[name] = PoolDecl(name, gpus if gpus is not None else 0, src.loc(p), elastic, frozen(options))
         return tuple(out.values())
+
+    def _option(self, src: Source, e: ast.Entry, key: str, value: Value, options: dict[str, Value]) -> None:
+        """`gpu_fraction`: the share of a GPU each serverless instance asks for, in (0, 1]; `keep_warm`: where
+        its models wait between tasks, "host" (the device given back) or "device" (kept, and held)."""
+        if key == "gpu_fraction":
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+                self.rep.error(src, f"`gpu_fraction` must be a number in (0, 1], got {describe(value)}", e.value,
+                               hint="the share of one GPU each instance asks for, e.g. `gpu_fraction = 0.5`")
+                return
+            options[key] = float(value)
+        elif not isinstance(value, str) or value not in KEEP_WARM:
+            self.rep.error(src, f"`keep_warm` must be \"host\" or \"device\", got {describe(value)}", e.value,
+                           hint=did_you_mean(str(value), KEEP_WARM) or 'write `keep_warm = "host"` (models wait in '
+                           'host memory) or `keep_warm = "device"` (they stay on the device, held)')
+        else:
+            options[key] = value
 
     def _pins(self, decl: ast.PlacementDecl, src: Source, pools: set[str]) -> dict[tuple[str, str | None], str]:
         pins: dict[tuple[str, str | None], str] = {}

@@ -1,12 +1,12 @@
 """An instance of a serverless pool: one Ray task that holds a device slot only while it runs.
 
 Tasks run on Ray worker processes that are kept and reused (`max_calls=0`), and each process keeps the
-`ModelWorker`s it built in `_CACHE`, keyed by (run, worker group), with the version of each model's weights it
-holds. A task names the versions it needs (`wanted`: model -> (version, [object ref] — or [ref, model, ref] for
-an update's results, which hold every model it trained, its weights and its optimizer's state apart — or [] for
-the weights every instance builds from the seed)); a process already holding them starts at once (a warm
-start), one that
-holds older weights loads them from the object store first, and a new process builds its models first (a cold
+`ModelWorker`s it built in `_CACHE` (a bounded set, cache.py), keyed by (run, worker group), with the version of
+each model's weights it holds. A task names the versions it needs (`wanted`: model -> (version, [object ref] —
+or [ref, model, ref] for an update's results, which hold every model it trained, its weights and its
+optimizer's state apart — or [] for the weights every instance builds from the seed)); a process already
+holding them starts at once (a warm start), one that holds older weights loads them from the object store
+first, and a new process builds its models first (a cold
 start). The state of a pool lives in the object store between tasks, so any process can serve any call, and a
 pool with no work holds no slot (scale to zero). An instance lost mid-call is replaced by Ray's task retry: the
 call runs again on another process (a cold start in the cost report) with the same versions and seeds, so it
@@ -19,6 +19,13 @@ A pre-warmed instance (`prewarm`) is a task started before its stage, from the s
 loads its models, then waits (holding its slot, idle) for the call in its `Mailbox` box, and serves it as
 `serve` would. With `Build.keep_warm` false an instance drops its models when its task ends (nothing held in
 host memory between tasks, every task a cold start unless pre-warmed).
+
+Devices (backends/serverless/devices.py, cache.py): a task runs its models on the device it was given (the GPU
+Ray assigned it, or the CPU on a cluster without GPUs) and, before giving it back, moves them to host memory;
+the next task moves them onto its own device, timed as loading (`Build.keep_on_device`: they stay). A process
+keeps at most `cache.KEPT` groups' models. Each task's stats say which device it chose, its GPU ids, whether
+its models stayed on the device, and where CUDA exists the memory allocated on it before building and after
+giving the device back.
 """
 
 from __future__ import annotations
@@ -28,19 +35,22 @@ import os
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import ray
+import torch
 
 from flowrl.backends.serverless import migrate, prefill, stream
+from flowrl.backends.serverless.cache import Entry, ProcessModels, free, movable, move_models
+from flowrl.backends.serverless.devices import SLOT as SLOT  # the resource instances took before devices.py
+from flowrl.backends.serverless.devices import choose_device, task_device
 from flowrl.ir.graph import ModelDecl
 from flowrl.runtime.dispatch import UPDATES
 from flowrl.runtime.transport import pack, unpack
 from flowrl.runtime.worker import ModelWorker
 
 CLOSED_KEPT = 4096  # closed box names the Mailbox remembers (a take comes within its call, long before)
-SLOT = "device_slot"  # the Ray custom resource that stands for a device (a GPU on a GPU cluster)
 
 
 @dataclass(frozen=True)
@@ -53,31 +63,29 @@ class Build:
     device: str
     keep_warm: bool = True  # keep the built models in the process between tasks
     trains: tuple[str, ...] = ()  # the models this group updates (the others' optimizer state is not loaded)
+    keep_on_device: bool = False  # the pool's `keep_warm = "device"`: models stay on the device between tasks
 
 
-@dataclass
-class _Entry:
-    worker: ModelWorker
-    versions: dict[str, int] = field(default_factory=dict)
-
-
-_CACHE: dict[tuple[str, str], _Entry] = {}
+_CACHE = ProcessModels()
 # what an instance runs for the methods that are not ModelWorker's own (they talk to the Mailbox actor)
 TASKS: dict[str, Callable[..., Any]] = {migrate.METHOD: migrate.generate, stream.CONSUME: stream.consume}
 
 
-def _ready(key: tuple[str, str], build: Build,
-           wanted: Mapping[str, tuple[int, Sequence[Any]]]) -> tuple[_Entry, bool, float, float]:
-    """The process's models for `key` at the versions `wanted` names -> (entry, cold, build s, load s)."""
+def _ready(key: tuple[str, str], build: Build, wanted: Mapping[str, tuple[int, Sequence[Any]]],
+           device: str | None = None) -> tuple[Entry, bool, float, float]:
+    """The process's models for `key` on `device` (None: the run's device without a GPU) at the versions `wanted`
+    names -> (entry, cold, build s, load s: moving them back from host memory and loading newer weights)."""
+    device = device or choose_device(build.device, [], None)
     began = time.perf_counter()
     entry = _CACHE.get(key)
     cold = entry is None
     if entry is None:
-        for old in [k for k in _CACHE if k[0] != key[0]]:  # an earlier run's models: this process serves a new one
-            del _CACHE[old]
-        entry = _CACHE[key] = _Entry(ModelWorker(build.models, build.all_models, seed=build.seed,
-                                                 device=build.device), {m.name: 0 for m in build.models})
+        entry = Entry(ModelWorker(build.models, build.all_models, seed=build.seed, device=device),
+                      {m.name: 0 for m in build.models})
+        _CACHE.put(key, entry)
     built = time.perf_counter()
+    if not cold and not movable(entry.worker):  # back from host memory (CPU to CPU: the same path, no copy)
+        move_models(entry.worker, device)
     for model, (version, holder) in wanted.items():
         if entry.versions.get(model) != version:
             if not holder:
@@ -91,6 +99,44 @@ def _ready(key: tuple[str, str], build: Build,
     return entry, cold, built - began, time.perf_counter() - built
 
 
+def _allocated(device: str) -> float | None:
+    """Bytes allocated on `device` by this process (None off CUDA)."""
+    if not device.startswith("cuda") or not torch.cuda.is_available():
+        return None
+    return float(torch.cuda.memory_allocated(device))
+
+
+def _device(build: Build) -> dict[str, Any]:
+    """The device this task's models use (devices.task_device) -> the stats saying so; on CUDA it becomes the
+    process's current device, and its allocated memory now is the instance's floor."""
+    gpus = [str(g) for g in ray.get_gpu_ids()]
+    device = task_device(build.device, gpus)
+    if device.startswith("cuda") and torch.cuda.is_available():
+        torch.cuda.set_device(device)
+    floor = _allocated(device)
+    return {"device": device, "gpu_ids": gpus, **({"mem_floor": floor} if floor is not None else {})}
+
+
+def _release(key: tuple[str, str], build: Build, stats: dict[str, Any]) -> None:
+    """Before the task gives its device back: its models to host memory (timed as loading), or kept on the
+    device (`keep_on_device`, or an engine that places its own memory), or dropped (`keep_warm` false)."""
+    entry = _CACHE.get(key)
+    offload_s, kept = 0.0, False
+    if entry is not None:
+        stats["models_on"] = str(entry.worker.device)  # where its models ran: the choice, as the worker made it
+    if not build.keep_warm:
+        _CACHE.drop(key)
+    elif entry is not None and (build.keep_on_device or movable(entry.worker)):
+        kept = True
+    elif entry is not None:
+        offload_s = move_models(entry.worker, "cpu")
+        if stats["device"] != "cpu":
+            free()
+    after = _allocated(stats["device"])
+    stats.update(load_s=stats["load_s"] + offload_s, offload_s=offload_s, kept_on_device=kept,
+                 **({"mem_after": after} if after is not None else {}))
+
+
 def _attempt(ledger: tuple[Any, str] | None, wall: float) -> Any:
     """Tell the ledger (the Mailbox actor, the task's token) that an attempt of the task began here, so the
     driver can count the device time of an attempt whose process was lost (it returns no stats) -> the call's
@@ -98,7 +144,7 @@ def _attempt(ledger: tuple[Any, str] | None, wall: float) -> Any:
     return ledger[0].began.remote(ledger[1], os.getpid(), wall) if ledger is not None else None
 
 
-def _run(key: tuple[str, str], build: Build, entry: _Entry, method: str, args: tuple[Any, ...],
+def _run(key: tuple[str, str], build: Build, entry: Entry, method: str, args: tuple[Any, ...],
          kwargs: dict[str, Any], new_version: int, crash: str | None, noted: Any = None,
          extra: dict[str, Any] | None = None) -> tuple[Any, tuple[Any, Any], float]:
     """`ModelWorker.<method>` -> (result, an update's new ({model: weights}, {model: optimizer state}) or (None,
@@ -129,8 +175,6 @@ def _run(key: tuple[str, str], build: Build, entry: _Entry, method: str, args: t
                  {m: pack(full[m]["optim"]) for m in trained})
         for m in trained:
             entry.versions[m] = new_version
-    if not build.keep_warm:
-        _CACHE.pop(key, None)
     return result, state, took
 
 
@@ -145,11 +189,14 @@ def serve(key: tuple[str, str], build: Build, wanted: Mapping[str, tuple[int, Se
     `ledger`: (Mailbox, this task's token), told when each attempt begins."""
     wall = time.time()
     noted = _attempt(ledger, wall)
-    entry, cold, start_s, load_s = _ready(key, build, wanted)
+    placed = _device(build)
+    entry, cold, start_s, load_s = _ready(key, build, wanted, placed["device"])
     extra: dict[str, Any] = {}
     result, state, run_s = _run(key, build, entry, method, args, kwargs, new_version, crash, noted, extra)
     stats = {"pid": os.getpid(), "cold": cold, "start_s": start_s, "load_s": load_s, "run_s": run_s,
-             "began": wall, "wait_s": 0.0, "prewarmed": False, "ready_first": False, "served": True, **extra}
+             "began": wall, "wait_s": 0.0, "prewarmed": False, "ready_first": False, "served": True, **extra,
+             **placed}
+    _release(key, build, stats)
     return result, stats, state[0], state[1]
 
 
@@ -161,21 +208,23 @@ def prewarm(key: tuple[str, str], build: Build, wanted: Mapping[str, tuple[int, 
     instance finds the same call."""
     wall = time.time()
     noted = _attempt((mailbox, box), wall)
-    entry, cold, start_s, load_s = _ready(key, build, wanted)
+    placed = _device(build)
+    entry, cold, start_s, load_s = _ready(key, build, wanted, placed["device"])
     waiting = time.perf_counter()
     sent, early = ray.get(mailbox.take.remote(box))
     wait_s = time.perf_counter() - waiting
     stats = {"pid": os.getpid(), "cold": cold, "start_s": start_s, "load_s": load_s, "run_s": 0.0, "began": wall,
-             "wait_s": wait_s, "prewarmed": True, "ready_first": early, "served": sent is not None}
+             "wait_s": wait_s, "prewarmed": True, "ready_first": early, "served": sent is not None, **placed}
     if sent is None:
-        if not build.keep_warm:
-            _CACHE.pop(key, None)
+        _release(key, build, stats)
         return None, stats, None, None
     wanted_now, method, args, kwargs, new_version, crash = ray.get(sent[0])
-    entry, _, _, newer_s = _ready(key, build, wanted_now)  # a version newer than the one loaded ahead
+    # a version newer than the one loaded ahead
+    entry, _, _, newer_s = _ready(key, build, wanted_now, placed["device"])
     extra: dict[str, Any] = {}
     result, state, run_s = _run(key, build, entry, method, args, kwargs, new_version, crash, noted, extra)
     stats.update(load_s=load_s + newer_s, run_s=run_s, **extra)
+    _release(key, build, stats)
     return result, stats, state[0], state[1]
 
 
