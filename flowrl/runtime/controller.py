@@ -108,7 +108,7 @@ class Controller:
     def reward_counts(self) -> dict[str, float]:
         out: dict[str, float] = {}
         for scorer in self.rewards.values():
-            if scorer.overlaps:  # workers or a service: what `on_error = "zero"` absorbed
+            if scorer.overlaps or scorer.on_error == "zero":  # what `on_error = "zero"` absorbed
                 out.update(scorer.take_counts())
         return out
 
