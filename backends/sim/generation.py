@@ -40,6 +40,7 @@ class Seq:
     skip: int = 0  # prompt tokens computed as a shared prefix (deduplicated prefill), not prefilled per prompt
     left: float = 0.0  # tokens still to generate
     finished_at: float | None = None
+    done_on: int = -1  # the instance it finished on
 
     def __post_init__(self) -> None:
         self.left = float(self.length)
