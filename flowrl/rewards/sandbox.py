@@ -1,17 +1,21 @@
 """The jail `code_tests` runs solutions in, and the channel to it (flowrl.rewards.code's process side).
 
-Strict isolation (as root, with util-linux's `unshare`, `mount`, `chroot` and `setpriv`): each session gets
-mount, network and PID namespaces of its own and runs as a user id of its own (one of `UIDS`, no groups, no
-capabilities, no new privileges) in a fresh root that holds only `/usr` read-only, a few devices, its own
-`/proc` and a small tmpfs `/tmp` (its working directory). So it sees no file of the host outside `/usr` (the
-data set, the flow, the harness are not there), no network (a down loopback), no process outside its own, and
-cannot signal or trace the harness (another user, another PID namespace). Killing `unshare` kills the
-namespace's first process, and with it every process the solution started.
+Strict isolation (util-linux's `unshare`, `mount`, `chroot` and `setpriv`): each session gets mount, network
+and PID namespaces of its own, in a fresh root that holds only `/usr` read-only, a few devices, its own `/proc`
+and a small tmpfs `/tmp` (its working directory), without capabilities or new privileges. So it sees no file of
+the host outside `/usr` (the data set, the flow, the harness are not there), no network (a down loopback), no
+process outside its own, and cannot signal or trace the harness. Killing `unshare` kills the namespace's first
+process, and with it every process the solution started. Two ways to get there, the first that works:
+- as root ("root"): the session also runs as a user id of its own (one of `UIDS`, no groups), so its process
+  limit counts its own processes only;
+- as anyone, where the kernel allows unprivileged user namespaces ("user namespace"): the session is root of a
+  user namespace of its own (the caller's user outside, no capabilities); its process limit is counted against
+  the caller's user, so it is set to the caller's count plus `processes` when the session starts.
 
-Without it (not root, a tool missing, the kernel refusing namespaces) the session runs as the caller, in a
-temporary directory, with the rlimits and the socket audit hook only: the solution could read what the caller
-can read and signal the caller's processes. `isolation()` says what is missing; the first session that runs so
-warns once (`SandboxWarning`), and `require_strict()` (the reward key `sandbox = "strict"`) refuses instead.
+Without either (a tool missing, the kernel refusing namespaces) the session runs as the caller, in a temporary
+directory, with the rlimits and the socket audit hook only: the solution could read what the caller can read
+and signal the caller's processes. `isolation()` says what is missing; the first session that runs so warns
+once (`SandboxWarning`), and `require_strict()` (the reward key `sandbox = "strict"`) refuses instead.
 """
 
 from __future__ import annotations
@@ -51,9 +55,9 @@ mount -o bind /dev/null dev/null
 mount -o bind /dev/urandom dev/urandom
 mount -t proc -o nosuid,nodev,noexec proc proc
 mount -t tmpfs -o size={scratch},mode=1777,nosuid,nodev flowrl-scratch tmp
-exec chroot . setpriv --reuid=$FLOWRL_UID --regid=$FLOWRL_UID --clear-groups --inh-caps=-all --bounding-set=-all \
-    --no-new-privs -- "$@"
+exec chroot . setpriv {user} --inh-caps=-all --bounding-set=-all --no-new-privs -- "$@"
 """
+AS_ITS_OWN_USER = "--reuid=$FLOWRL_UID --regid=$FLOWRL_UID --clear-groups"  # root only
 
 
 class SandboxWarning(RuntimeWarning):
@@ -66,14 +70,16 @@ class SandboxError(RuntimeError):
 
 @dataclass(frozen=True)
 class Isolation:
-    """What this machine allows: `strict`, or the reasons it is not (each a sentence)."""
+    """What this machine allows: `strict` (by `way`: "root" or "user namespace"), or the reasons it is not."""
 
     strict: bool
     missing: tuple[str, ...] = ()
+    way: str = ""
 
     def describe(self) -> str:
         if self.strict:
-            return "strict: namespaces (mount, network, PID), its own user, a root holding /usr only"
+            who = "its own user" if self.way == "root" else "a user namespace of its own"
+            return f"strict: namespaces (mount, network, PID), {who}, a root holding /usr only"
         return ("code_tests runs solutions WITHOUT isolation: as this process's user, able to read its files "
                 "(the data set's expected outputs among them) and signal its processes; only rlimits and a socket "
                 "audit hook hold. Missing: " + "; ".join(self.missing))
@@ -91,25 +97,38 @@ def isolation() -> Isolation:
 
 
 def _probe() -> Isolation:
-    missing = []
-    if os.geteuid() != 0:
-        missing.append(f"root (running as uid {os.geteuid()}: namespaces and a user of its own need it)")
     absent = [t for t in TOOLS if shutil.which(t) is None]
     if absent:
-        missing.append(f"the tools {', '.join(absent)} (util-linux)")
+        return Isolation(False, (f"the tools {', '.join(absent)} (util-linux)",))
     if not os.path.exists(SYSTEM_PYTHON):
-        missing.append(f"{SYSTEM_PYTHON} (the jail's interpreter, under /usr)")
-    if missing:
-        return Isolation(False, tuple(missing))
+        return Isolation(False, (f"{SYSTEM_PYTHON} (the jail's interpreter, under /usr)",))
+    missing = []
+    if os.geteuid() == 0:
+        why = _try("root")
+        if why is None:
+            return Isolation(True, way="root")
+        missing.append(f"as root, the kernel refused the jail: {why}")
+    else:
+        missing.append(f"root (running as uid {os.geteuid()})")
+    why = _try("user namespace")
+    if why is None:
+        return Isolation(True, way="user namespace")
+    missing.append(f"unprivileged user namespaces: {why}")
+    return Isolation(False, tuple(missing))
+
+
+def _try(way: str) -> str | None:
+    """None when a jail of this way runs a process here, else what went wrong."""
     try:
-        probe = subprocess.run([*_jail_command(), SYSTEM_PYTHON, "-I", "-S", "-c", "import os; print(os.getuid())"],
+        probe = subprocess.run([*_jail_command(way), SYSTEM_PYTHON, "-I", "-S", "-c", "import os; print(os.getuid())"],
                                capture_output=True, timeout=60, env=_jail_env(next(_SEQUENCE)))
     except (OSError, subprocess.TimeoutExpired) as e:
-        return Isolation(False, (f"the jail did not start ({e})",))
-    if probe.returncode != 0 or not probe.stdout.strip().isdigit() or int(probe.stdout) == 0:
-        err = probe.stderr.decode(errors="replace").strip().splitlines()
-        return Isolation(False, (f"the kernel refused the jail: {err[-1] if err else probe.returncode}",))
-    return Isolation(True)
+        return f"it did not start ({e})"
+    uid = probe.stdout.strip()
+    if probe.returncode == 0 and uid.isdigit() and (int(uid) != 0) == (way == "root"):
+        return None
+    err = probe.stderr.decode(errors="replace").strip().splitlines()
+    return err[-1] if err else f"exit status {probe.returncode}"
 
 
 def require_strict() -> None:
@@ -143,9 +162,11 @@ def _links() -> str:
     return "\n".join(out)
 
 
-def _jail_command(scratch: int = 64 << 20) -> list[str]:
-    return ["unshare", "--mount", "--net", "--pid", "--fork", "--kill-child", "--propagation", "private",
-            "sh", "-c", JAIL.format(links=_links(), scratch=scratch), "flowrl-jail"]
+def _jail_command(way: str, scratch: int = 64 << 20) -> list[str]:
+    user = ["--user", "--map-root-user"] if way != "root" else []
+    script = JAIL.format(links=_links(), scratch=scratch, user=AS_ITS_OWN_USER if way == "root" else "")
+    return ["unshare", *user, "--mount", "--net", "--pid", "--fork", "--kill-child", "--propagation", "private",
+            "sh", "-c", script, "flowrl-jail"]
 
 
 def _jail_env(n: int) -> dict[str, str]:
@@ -173,10 +194,11 @@ class Session:
     def __init__(self, task: dict[str, Any], deadline: float, reply_bytes: int, processes: int, scratch: int):
         self.deadline, self.reply_bytes = deadline, reply_bytes
         self.work: str | None = None
-        strict = isolation().strict
-        if strict:
-            command = [*_jail_command(scratch), SYSTEM_PYTHON]
-            env, cwd, task = _jail_env(next(_SEQUENCE)), "/", {**task, "cwd": "/tmp", "nproc": processes}
+        found = isolation()
+        if found.strict:
+            command = [*_jail_command(found.way, scratch), SYSTEM_PYTHON]
+            nproc = processes if found.way == "root" else _tasks_of(os.getuid()) + processes
+            env, cwd, task = _jail_env(next(_SEQUENCE)), "/", {**task, "cwd": "/tmp", "nproc": nproc}
         else:
             warn_once()
             self.work = tempfile.mkdtemp(prefix="flowrl-code-")

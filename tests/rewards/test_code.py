@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -221,15 +222,52 @@ def test_strict_is_available_here() -> None:
     assert sandbox.isolation().describe().startswith("strict: namespaces")
 
 
+NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+AS_NOBODY = """
+import json, sys
+from flowrl.rewards import sandbox
+from flowrl.rewards.code import run_tests
+found = sandbox.isolation()
+out = {"describe": found.describe()}
+if found.strict:
+    data = sys.argv[1]
+    snoop = f"try:\\n    print(open({data!r}).read())\\nexcept OSError:\\n    print('none')\\n"
+    out["snoop"] = run_tests(snoop, [{"input": "", "output": open(data).read()}])
+    out["seen"] = run_tests("import os\\nPIDS = [p for p in os.listdir('/proc') if p.isdigit()]\\n",
+                            ["assert PIDS == ['1']"])
+    out["bomb"] = run_tests("import os\\nwhile True:\\n    try:\\n        os.fork()\\n    except OSError:\\n"
+                            "        pass\\n", ["assert True"], timeout=2.0)
+    out["add"] = run_tests("def add(a, b):\\n    return a + b\\n", ["assert add(2, 3) == 5"])
+print(json.dumps(out))
+"""
+
+
 @needs_strict
-def test_an_unprivileged_caller_finds_it_degraded_and_says_why() -> None:
-    """The probe itself, run as another user: no root, so no jail, and the reason given."""
+def test_an_unprivileged_caller_is_jailed_in_a_user_namespace_or_told_why_not() -> None:
+    """Run as another user (no root): where the kernel allows user namespaces the jail is as strict (a file
+    that user can read is out of the solution's sight, no other process, a fork bomb bounded); where it does
+    not, isolation says what is missing."""
     import subprocess
     import sys
 
-    probe = "from flowrl.rewards.sandbox import isolation; print(isolation().describe())"
-    out = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c",
-                          probe], capture_output=True, text=True, cwd=Path(__file__).parents[2], timeout=120)
-    if out.returncode != 0:
-        pytest.skip(f"this interpreter is not usable by nobody: {out.stderr.strip()[-200:]}")
-    assert "Missing: root (running as uid 65534" in out.stdout
+    folder = Path(tempfile.mkdtemp(prefix="flowrl-visible-"))
+    try:
+        folder.chmod(0o755)
+        data = folder / "data.jsonl"
+        data.write_text("s3cret-42")
+        data.chmod(0o644)
+        visible = subprocess.run([*NOBODY, "cat", str(data)], capture_output=True, text=True, timeout=60)
+        assert visible.stdout == "s3cret-42"  # outside the jail, this user can read it
+        run = subprocess.run([*NOBODY, sys.executable, "-c", AS_NOBODY, str(data)], capture_output=True, text=True,
+                             cwd=Path(__file__).parents[2], timeout=300)
+    finally:
+        shutil.rmtree(folder)
+    if run.returncode != 0:
+        pytest.skip(f"this interpreter is not usable by nobody: {run.stderr.strip()[-200:]}")
+    out = json.loads(run.stdout.splitlines()[-1])
+    if not out["describe"].startswith("strict"):
+        assert "Missing: root (running as uid 65534); unprivileged user namespaces: " in out["describe"]
+        return
+    assert out["describe"] == "strict: namespaces (mount, network, PID), a user namespace of its own, a root " \
+                              "holding /usr only"
+    assert out == {**out, "snoop": [False], "seen": [True], "bomb": [False], "add": [True]}
