@@ -72,6 +72,9 @@ def free() -> None:
     """Return what dropped tensors held: collected now, and CUDA's cached blocks back to the device."""
     gc.collect()
     if torch.cuda.is_available() and torch.cuda.is_initialized():
+        clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)  # cuBLAS keeps a workspace per stream
+        if clear is not None:
+            clear()
         torch.cuda.empty_cache()
 
 

@@ -51,6 +51,15 @@ class Devices:
         """The cluster resource that counts a pool's devices."""
         return GPU if self.gpus else SLOT
 
+    def asks(self) -> dict[str, float]:
+        """What one instance takes of the cluster's resources."""
+        return {"CPU": self.cpus, self.resource: self.gpus or 1.0}
+
+    def capacity(self, resources: Mapping[str, float]) -> int:
+        """How many instances of this shape `resources` (the cluster's, or what is free of them) hold at once,
+        by their devices."""
+        return int(resources.get(self.resource, 0.0) / (self.gpus or 1.0) + 1e-9)
+
 
 def devices_for(cluster: Mapping[str, float], fraction: float | None = None, cpus: float = 1.0) -> Devices:
     """A pool's `Devices` on a cluster with these resources (`ray.cluster_resources()`): a GPU, or the pool's

@@ -17,9 +17,12 @@ from flowrl.runtime.protocol import Usage
 
 def usage_of(pool: str, group: str, st: Mapping[str, Any]) -> Usage:
     """An instance task's stats (instance.serve / prewarm) as the usage the cost report reads."""
+    gpus, floor, after = st.get("gpu_ids") or [""], st.get("mem_floor"), st.get("mem_after")
     return Usage(pool, group, int(st["pid"]), float(st["began"]), float(st["start_s"]), float(st["load_s"]),
                  float(st["run_s"]), bool(st["cold"]), float(st["wait_s"]), bool(st["prewarmed"]),
-                 bool(st["ready_first"]), bool(st["served"]))
+                 bool(st["ready_first"]), bool(st["served"]), str(st.get("models_on", st.get("device", ""))),
+                 str(gpus[0]), bool(st.get("kept_on_device", False)),
+                 max(0.0, float(after) - float(floor)) if after is not None and floor is not None else 0.0)
 
 
 def lost_attempts(attempts: Mapping[str, Sequence[tuple[int, float]]], finished: Mapping[str, Usage]) -> list[Usage]:

@@ -89,11 +89,16 @@ class CostMeter:
         busy = running, idle = the waits. `prewarmed_s`: what pre-warmed instances held before their call came;
         `cold_starts_waited`: cold starts a call waited for (not pre-warmed, or pre-warmed too late);
         `prewarm_ready|late|unused`: pre-warmed instances ready before their call, not ready, not needed;
-        `lost_s`, `lost_instances`: attempts whose process was lost (each also a cold start: its replacement)."""
+        `lost_s`, `lost_instances`: attempts whose process was lost (each also a cold start: its replacement);
+        `kept_on_device`: tasks that left their models on the device when they gave it back (`keep_warm =
+        "device"`, or an engine that places its own memory): their process still holds that memory, which
+        `held_s` does not count between tasks; `device_left_bytes`: the most device memory a task left allocated
+        above what it found (0 where every instance gave its device back clean, and off CUDA)."""
         out: dict[str, float] = {}
         totals = dict.fromkeys(("held_s", "busy_s", "starting_s", "loading_s", "waiting_s", "prewarmed_s",
                                 "lost_s", "cold_starts", "warm_starts", "cold_starts_waited", "prewarm_ready",
-                                "prewarm_late", "prewarm_unused", "lost_instances"), 0.0)
+                                "prewarm_late", "prewarm_unused", "lost_instances", "kept_on_device",
+                                "device_left_bytes"), 0.0)
         names = list(dict.fromkeys([p.name for p in self.pools] + [u.pool for u in usage]))  # + stage-kind pools
         for name in names:
             mine = [u for u in usage if u.pool == name]
@@ -114,6 +119,8 @@ class CostMeter:
             totals["prewarm_unused"] += sum(1 for u in mine if not u.served)
             totals["lost_s"] += sum(u.lost_s for u in mine)
             totals["lost_instances"] += sum(1 for u in mine if u.lost_s > 0)
+            totals["kept_on_device"] += sum(1 for u in mine if u.kept_on_device)
+            totals["device_left_bytes"] = max([totals["device_left_bytes"], *(u.left_bytes for u in mine)])
         totals["idle_s"] = max(0.0, totals["held_s"] - totals["busy_s"] - totals["starting_s"] - totals["loading_s"]
                                - totals["lost_s"])
         out.update({PREFIX + k: v for k, v in totals.items()})
@@ -140,7 +147,7 @@ def summary(rows: Sequence[Mapping[str, Any]], pools: Sequence[Pool], gpu_hour: 
         out["pools"].append({"pool": name, "devices": devices.get(name, 0), "held_s": held, "busy_s": busy,
                              "utilization": busy / held if held else 0.0})
     for key in ("held_s", "busy_s", "idle_s", "starting_s", "loading_s", "prewarmed_s", "lost_s", "cold_starts",
-                "warm_starts", "cold_starts_waited", "prewarm_ready", "lost_instances"):
+                "warm_starts", "cold_starts_waited", "prewarm_ready", "lost_instances", "kept_on_device"):
         out[key] = total(PREFIX + key)
     out["utilization"] = out["busy_s"] / out["held_s"] if out["held_s"] else 0.0
     if gpu_hour or cpu_hour:
@@ -157,7 +164,8 @@ def instance_spans(usage: Sequence[Usage], step: int, t0_wall: float) -> list[Sp
     """An elastic backend's instance tasks as trace spans, one track per pool (`POOL instances`): where device
     time goes, beside the nodes' own spans."""
     return [Span(f"instance {u.pid}" + (" (lost)" if u.lost_s else " (cold)" if u.cold else "") +
-                 (" (pre-warmed)" if u.prewarmed else ""),
+                 (" (pre-warmed)" if u.prewarmed else "") + (f" on {u.device}" if u.device else "") +
+                 (f", GPU {u.gpu}" if u.gpu else ""),
                  "held", f"{u.pool} instances", step, u.began - t0_wall, u.held_s) for u in usage]
 
 
@@ -174,6 +182,10 @@ def table(report: Mapping[str, Any]) -> str:
                  f"   (starting {report['starting_s']:.1f} dev-s, {int(report['cold_starts'])} cold starts"
                  + (f", {int(report.get('prewarm_ready', 0))} pre-warmed ahead of their stage"
                     if report.get("prewarm_ready") else "") + ")")
+    if report.get("kept_on_device"):
+        lines.append(f"{int(report['kept_on_device'])} instance tasks kept their models on the device after giving "
+                     "it back (keep_warm = \"device\"): their processes hold that memory between tasks, which "
+                     "held dev-s does not count")
     if money:
         lines.append(f"money: {money['total']:.4f} = devices {money['devices']:.4f} at {money['gpu_hour']:g} a "
                      f"device-hour + controller {money['controller']:.4f} at {money['cpu_hour']:g} an hour")

@@ -49,6 +49,10 @@ class Usage:
     prewarmed: bool = False  # started ahead of its stage
     ready_first: bool = False  # pre-warmed and ready before its call came: the stage did not wait for its start
     served: bool = True  # False: pre-warmed, then not needed (the call came before it was started, or never)
+    device: str = ""  # where its models ran ("cuda:1", "cpu"; "" where the backend does not say)
+    gpu: str = ""  # the GPU id the cluster assigned it ("" without one)
+    kept_on_device: bool = False  # its models stayed on the device after it gave the device back: memory still held
+    left_bytes: float = 0.0  # device memory it left allocated above what it found, giving the device back (CUDA)
     lost_s: float = 0.0  # an attempt whose process was lost: from its start to its retry's (the task re-ran)
 
     @property

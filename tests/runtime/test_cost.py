@@ -114,3 +114,26 @@ def test_an_unknown_dedup_prefill_is_a_located_error(tmp_path: Path) -> None:
         flowrl.load(str(tmp_path / "f.flow"))
     assert e.value.render().startswith(
         f"{tmp_path / 'f.flow'}:14:23: error: `dedup_prefill` must be one of auto, handover, local, off\n")
+
+
+def test_instances_that_keep_their_models_on_the_device_are_counted_and_said() -> None:
+    """An elastic pool's tasks: those that left their models on the device (keep_warm = "device") are counted,
+    the most memory one left above its floor is reported, and each task's span names its device."""
+    from flowrl.runtime.cost import instance_spans
+    from flowrl.runtime.protocol import Usage
+
+    used = [Usage("gen", "gen", 11, 100.0, 0.5, 0.25, 1.0, True, device="cuda:1", gpu="7", left_bytes=0.0),
+            Usage("gen", "gen", 12, 100.5, 0.0, 0.0, 2.0, False, device="cuda:0", gpu="5", kept_on_device=True,
+                  left_bytes=4096.0),
+            Usage("train", "train", 13, 101.0, 0.0, 0.1, 1.0, False, device="cpu")]
+    row = CostMeter([Pool("gen", ("gen",), 2), Pool("train", ("train",), 1)], starting_s=0.0, clock=0.0).step(
+        [], now=5.0, usage=used)
+    assert row["cost/kept_on_device"] == 1.0 and row["cost/device_left_bytes"] == 4096.0
+    assert row["cost/held_s"] == pytest.approx(1.75 + 2.0 + 1.1)
+    assert [s.node for s in instance_spans(used, 1, 99.0)] == [
+        "instance 11 (cold) on cuda:1, GPU 7", "instance 12 on cuda:0, GPU 5", "instance 13 on cpu"]
+    report = summary([{"step": 1, **row}], [Pool("gen", ("gen",), 2), Pool("train", ("train",), 1)])
+    assert report["kept_on_device"] == 1.0
+    assert table(report).splitlines()[-1] == (
+        '1 instance tasks kept their models on the device after giving it back (keep_warm = "device"): their '
+        "processes hold that memory between tasks, which held dev-s does not count")

@@ -54,6 +54,9 @@ def test_a_task_asks_for_a_gpu_where_the_cluster_has_them_else_a_slot() -> None:
         "num_cpus": 1.0, "num_gpus": 1.0, "runtime_env": {"env_vars": {NOSET: "1"}}}
     assert devices_for({"GPU": 8.0}, fraction=0.25).options()["num_gpus"] == 0.25
     assert devices_for({"GPU": 8.0}).resource == "GPU" and Devices().resource == SLOT
+    half = devices_for({"GPU": 3.0}, fraction=0.5)
+    assert half.asks() == {"CPU": 1.0, "GPU": 0.5} and half.capacity({"GPU": 3.0}) == 6
+    assert Devices().asks() == {"CPU": 1.0, SLOT: 1.0} and Devices().capacity({SLOT: 4.0, "GPU": 2.0}) == 4
 
 
 def _worker() -> ModelWorker:
