@@ -10,7 +10,8 @@ Grading runs in a warm helper process (`flowrl.rewards.bounded`), never in the c
 thread), after which the helper is killed and the answer scores 0.0. math-verify's own limits (`signal.alarm`,
 `SOFT_S`) hold inside the helper too, where they end an ordinary slow parse without a restart; they cannot stop
 a C-level computation such as `9^9^9^9`, which only the kill ends. The helper's address space is limited to
-`MEMORY_BYTES`. One helper per concurrent caller; the first call waits for its start (importing sympy, ~1-2 s),
+`MEMORY_BYTES`, and each call to a CPU budget of `TIMEOUT_S` + 2 s (so a helper whose caller died mid-call,
+a reward worker killed at its own `timeout`, still ends). One helper per concurrent caller; the first call waits for its start (importing sympy, ~1-2 s),
 which the limit does not count.
 """
 
@@ -41,9 +42,16 @@ def grade(answer, response):
         return 0.0
     return 1.0 if verify(gold, got, timeout_seconds={SOFT_S}) else 0.0
 
+def cpu_seconds():
+    use = resource.getrusage(resource.RUSAGE_SELF)
+    return use.ru_utime + use.ru_stime
+
 print(json.dumps({{"ready": True}}), flush=True)
 for line in sys.stdin:
     answer, response = json.loads(line)
+    # a CPU budget for this call (SIGXCPU ends the process past it): a helper whose caller died mid-call, and
+    # so can no longer kill it, stops on its own
+    resource.setrlimit(resource.RLIMIT_CPU, (int(cpu_seconds() + {TIMEOUT_S}) + 2, resource.RLIM_INFINITY))
     try:
         score = grade(answer, response)
     except BaseException:  # a parse or comparison that fails on odd input (a MemoryError too): no answer found

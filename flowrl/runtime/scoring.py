@@ -346,13 +346,14 @@ def make_scorer(decl: RewardDecl, *, imports: Sequence[str] = (), folder: str | 
     problem = signature_problem(fn)
     if problem is not None:
         raise RewardError(_at(decl, f"reward '{decl.name}': {problem}", hint=_expected(fn.batched)))
-    if options.get("sandbox") == "strict":
-        from flowrl.rewards.sandbox import isolation
+    from flowrl.rewards import code_tests, sandbox
 
-        found = isolation()
-        if not found.strict:
+    if options.get("sandbox") == "strict" or fn.fn is code_tests:  # said now, before the first step
+        found = sandbox.isolation()
+        if not found.strict and options.get("sandbox") == "strict":
             raise RewardError(_at(decl, f"reward '{decl.name}' asks for `sandbox = \"strict\"`, which this machine "
                                         "cannot give", hint=found.describe()))
+        sandbox.warn_once()
     timeout = float(options.get("timeout", 0.0) or 0.0)
     workers = int(options.get("workers", 0) or 0) or (1 if timeout > 0 else 0)
     on_error = str(options.get("on_error", "fail"))

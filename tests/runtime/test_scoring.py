@@ -192,3 +192,15 @@ def test_sandbox_strict_runs_where_isolation_is_there(tmp_path: Path) -> None:
     rows = flowrl.run(flowrl.load(str(_flow(tmp_path, "plain", '{ sandbox = "strict" }'))),
                       out_dir=tmp_path / "out", steps=1).metrics
     assert [r["step"] for r in rows] == [1]
+
+
+def test_code_tests_without_isolation_warns_before_the_first_step(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    missing = sandbox.Isolation(False, ("root (running as uid 1000)", "unprivileged user namespaces: refused"))
+    monkeypatch.setattr(sandbox, "_FOUND", [missing])
+    monkeypatch.setattr(sandbox, "_WARNED", [])
+    graph = flowrl.load(str(_flow(tmp_path, "code_tests", "")))
+    seen: list[int] = []
+    with pytest.warns(sandbox.SandboxWarning, match="WITHOUT isolation.*Missing: root") as caught:
+        flowrl.run(graph, out_dir=tmp_path / "out", steps=1, on_step=lambda step, row: seen.append(len(caught)))
+    assert seen == [1]  # the warning was there when step 1 ended: said at the start, once
