@@ -7,7 +7,7 @@ and `migrate` role choice: with a pool of `world` instances and a measured decod
 count (`choose_instances`), without one (the first step) all `world`; the prompts go out in length-ranked runs
 (`ranked_runs`, cut where `Batch.split` cuts the reordered batch, so the runs are the shards), or in data order
 when assignment is off; with more than one instance and `tau` < 1 the *sink* is the instance holding the most
-predicted work (the last ranked run: it holds its device longest anyway). `learn_decode` is the pure part of
+predicted work (`migration_sink`, the backend's `Scaler.sink`: it holds its device longest anyway). `learn_decode` is the pure part of
 `Scaler.measure`: seconds per decode step by the samples an instance decoded, an even EWMA of what each finished
 instance measured (its run time over its longest response).
 """
@@ -18,6 +18,7 @@ from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from flowrl.elastic.assign import ranked_runs, split_runs
+from flowrl.elastic.migrate import migration_target
 from flowrl.elastic.predict import LengthPredictor
 from flowrl.elastic.scale import DecodeCurve, ScaleChoice, choose_instances
 
@@ -40,12 +41,17 @@ def predictions(predictor: LengthPredictor, prompt_ids: Sequence[Hashable], samp
     return predictor.predict(prompt_ids, fallback=0.0), predictor.predict_profiles(prompt_ids, samples, fallback=0.0)
 
 
-def migration_sink(longest: Sequence[float]) -> int | None:
-    """The instance that takes the others' tails: the one whose longest predicted sample is longest (ties: the
-    last, the end of the length order); None for fewer than two instances."""
-    if len(longest) < 2:
+def migration_sink(work: Sequence[float], rows: Sequence[int]) -> int | None:
+    """The instance the others hand their tails to: the one kept to the end is the one with the most predicted
+    work (`work[i]`: its prompts' predicted lengths summed; ties: the later, which length-ranked runs give the
+    longest prompts), confirmed by `migration_target` with its free slots the step's rows less its own (`rows[i]`:
+    instance i's prompts); None with one instance, or when some source's rows would not fit there."""
+    if len(work) < 2:
         return None
-    return max(range(len(longest)), key=lambda i: (longest[i], i))
+    keep = max(range(len(work)), key=lambda i: (work[i], i))
+    free = {keep: sum(rows) - rows[keep]}
+    targets = {migration_target(free, src, rows[src]) for src in range(len(rows)) if src != keep}
+    return keep if targets == {keep} else None
 
 
 def plan_generation(predicted: Sequence[float], samples: int, world: int, decode: Mapping[int, float],
@@ -64,7 +70,7 @@ def plan_generation(predicted: Sequence[float], samples: int, world: int, decode
     runs = ranked_runs(predicted, n) if ranked else split_runs(len(predicted), n)
     sink = None
     if len(runs) > 1 and tau < 1.0:
-        sink = migration_sink([max(predicted[i] for i in run) for run in runs]) if ranked else len(runs) - 1
+        sink = migration_sink([sum(predicted[i] for i in run) for run in runs], [len(run) for run in runs])
     return GenerationPlan(len(runs), tuple(tuple(r) for r in runs), ranked, sink, choice)
 
 

@@ -192,3 +192,67 @@ def test_a_prefix_on_several_instances_is_computed_by_the_first_and_taken_by_the
 def test_hand_over_where_the_measured_transfer_costs_less_than_recomputing() -> None:
     assert hand_over(None, None) and hand_over(0.01, None) and hand_over(None, 5.0)  # unmeasured: measure it
     assert hand_over(0.010, 0.004) and not hand_over(0.004, 0.010) and not hand_over(0.004, 0.004)
+
+
+def test_the_sink_is_the_instance_with_the_most_predicted_work() -> None:
+    from flowrl.elastic import migration_sink
+
+    assert migration_sink([5.0, 9.0, 7.0], [2, 2, 2]) == 1
+    assert migration_sink([5.0, 9.0, 9.0], [2, 2, 2]) == 2  # ties: the later (the length order's end)
+    assert migration_sink([4.0], [3]) is None  # one instance: nothing to migrate
+
+
+def test_a_generation_plan_on_worked_values() -> None:
+    from flowrl.elastic import plan_generation
+
+    predicted = [50.0, 3.0, 20.0, 3.0, 64.0, 9.0, 1.0]
+    # nothing measured: every instance, length-ranked runs cut as Batch.split cuts, the sink the longest run
+    first = plan_generation(predicted, 1, 3, {}, 0.0, 0.5, 0.7)
+    assert (first.instances, first.runs, first.sink, first.choice) == (3, ((6, 1), (3, 5, 2), (0, 4)), 2, None)
+    # assignment off: data order; migration off (tau 1): no sink
+    assert plan_generation(predicted, 1, 3, {}, 0.0, 0.5, 1.0, assign=False).runs == ((0, 1), (2, 3, 4), (5, 6))
+    assert plan_generation(predicted, 1, 3, {}, 0.0, 0.5, 1.0).sink is None
+    # a measured flat curve with 2 s to start an instance: weight 0 buys the fewest device-seconds, one instance
+    one = plan_generation(predicted, 1, 3, {1: 1.0}, 2.0, 0.0, 0.7)
+    assert (one.instances, one.runs, one.sink) == (1, ((6, 1, 3, 5, 2, 0, 4),), None)
+    assert one.choice is not None and one.choice.chosen.time_s == 66.0  # 2 s start + 64 steps
+    assert plan_generation(predicted, 1, 1, {1: 1.0}, 0.0, 0.5, 0.7).runs == ((0, 1, 2, 3, 4, 5, 6),)
+
+
+def test_learning_the_decode_curve_and_the_start_overhead() -> None:
+    from flowrl.elastic import learn_decode, start_overhead
+
+    curve = learn_decode({}, [(4, 10, 2.0), (2, 0, 0.5), (0, 3, 9.0)])  # 0.2 s a step; 0 steps count as 1
+    assert curve == {4: 0.2, 2: 0.5}
+    assert learn_decode(curve, [(4, 20, 2.0)])[4] == pytest.approx(0.15)  # an even EWMA with the old point
+    assert start_overhead([(0.3, False), (0.5, False), (2.0, True)]) == pytest.approx(0.4)  # warm ones only
+    assert start_overhead([(2.0, True)]) == 0.0
+
+
+def test_prewarm_plan_and_what_a_call_teaches_it() -> None:
+    from flowrl.elastic import learn_start, prewarm_plan
+
+    assert prewarm_plan([], 0.2, 3) is None and prewarm_plan([0.9], 0.2, 0) is None
+    assert prewarm_plan([0.9], 0.2, 3, margin_s=0.05) == (pytest.approx(0.65), 3)
+    assert prewarm_plan([0.9], 0.2, 3, enabled=False) is None
+    assert learn_start(0.0, 0, [1.5, 2.0], 3, first=True) == (2.0, 3)  # cold ones: the slowest start
+    assert learn_start(2.0, 3, [], 3, first=True) == (2.0, 0)  # all warm: nothing to pre-warm next step
+    assert learn_start(2.0, 3, [], 3, first=False) == (2.0, 3)  # a later call does not decide
+
+
+def test_the_hand_over_decision_and_its_patience() -> None:
+    from flowrl.elastic import HandOver, PrefillRates, decide_hand_over
+
+    def fields(h: HandOver) -> tuple[bool, float | None, float | None]:
+        return h.handing, h.patience_s, h.recompute_s
+
+    assert fields(decide_hand_over("auto", None, None, [6])) == (True, 1.0, None)  # unmeasured: hand over, 1 s
+    # recomputing 8 tokens on average at 1 ms a token: 8 ms; a 4 ms handover wins, a 10 ms one does not
+    assert fields(decide_hand_over("auto", 0.001, 0.004, [6, 10])) == (True, pytest.approx(0.008),
+                                                                         pytest.approx(0.008))
+    assert decide_hand_over("auto", 0.001, 0.010, [6, 10]).handing is False
+    assert decide_hand_over("local", 0.001, 0.001, [6]).handing is False
+    assert fields(decide_hand_over("handover", 0.001, 9.0, [6])) == (True, None, pytest.approx(0.006))
+    rates = PrefillRates()
+    rates.learn([{"prefill_s": 0.006, "prefill_tokens": 6.0}, {"handover_s": 0.05, "handover_tokens": 6.0}])
+    assert (rates.rate_s, rates.handover_s) == (pytest.approx(0.001), 0.05)
