@@ -13,7 +13,7 @@ from flowrl import registry
 from flowrl.dsl import compile_flow, load
 from flowrl.dsl.lower import CONFIG_KEYS, FIELD_KEYS
 from flowrl.ir.graph import CONTROLLER, Graph, Range
-from flowrl.ir.signatures import MODEL_KEYS
+from flowrl.ir.signatures import MODEL_KEYS, RUN_KEYS
 
 Compile = Callable[..., Graph]
 Check = Callable[..., str]
@@ -97,10 +97,9 @@ def test_declarations(compile_ok: Compile, in_flows: Path) -> None:
     assert [(r.name, r.target, r.batched) for r in g.rewards] == [("correct", "arith_exact", False)]
     assert [d.name for d in g.data] == ["prompts", "unused"]
     assert g.data[0].path == str(in_flows / "data" / "arith.jsonl") and g.data[0].options["batch"] == 4
-    assert dict(g.run) == {"steps": 100, "seed": 0, "checkpoint_every": 0, "device": "auto", "log_every": 10,
-                          "max_staleness": 0, "cost_weight": 0.5, "prewarm": True, "prewarm_margin": 0.05,
-                          "keep_warm": True, "migrate_at": 0.7, "dedup_prefill": "auto", "gpu_hour": 0.0,
-                          "cpu_hour": 0.0}
+    # every run key filled with its default (keys added to RUN_KEYS included)
+    assert dict(g.run) == {k: d for k, (_, d) in RUN_KEYS.items()}
+    assert (g.run["steps"], g.run["device"], g.run["max_staleness"]) == (100, "auto", 0)
     assert g.flow == "t" and g.template is None and g.nodes == ()
 
 
