@@ -49,6 +49,7 @@ class Body:
     env: Mapping[str, Binding]
     template: str | None = None
     origins: Mapping[str, tuple[Source, ast.Located]] = field(default_factory=dict)
+    via: Loc | None = None  # the `use` that expanded a template's body
 
 
 @dataclass(frozen=True)
@@ -441,7 +442,7 @@ class StepLowering:
             nodes[p.id] = Node(
                 p.id, p.op, body.src.loc(p.stmt), model=p.model, method=p.method, inputs=tuple(p.inputs),
                 attrs=frozen(p.attrs), worker_group=CONTROLLER, dispatch="split" if p.model else "controller",
-                text=body.src.text_of(p.stmt),
+                text=body.src.text_of(p.stmt), via=body.via,
             )
             key[p.id], deps[p.id] = (p.index, 1), [s for _, s in p.inputs]
         return [nodes[n] for n in topological(deps, key)]

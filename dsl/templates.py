@@ -107,7 +107,7 @@ class Expander:
             env[pname] = b if b is not None else Unbound(pname)
             origins[pname] = (ua.src, ua.arg.value) if ua is not None else (src, use.template)
         # the body is lowered even when a binding failed, so its other problems are reported too
-        return Body(tdecl.body, tsrc, env, template=name, origins=origins)
+        return Body(tdecl.body, tsrc, env, template=name, origins=origins, via=src.loc(use.template))
 
     def _given(self, name: str, tdecl: ast.TemplateDecl, args: list[UseArg]) -> dict[str, UseArg]:
         params = [p.name.name for p in tdecl.params]

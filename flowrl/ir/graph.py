@@ -144,6 +144,7 @@ class Node:
     worker_group: str = CONTROLLER
     dispatch: str = "controller"
     text: str = ""
+    via: Loc | None = None  # a template's node: the flow's `use` it was expanded from (run-time errors name both)
 
     @property
     def input_ids(self) -> tuple[str, ...]:

@@ -225,6 +225,8 @@ def _summary(graph: Graph, values: Mapping[str, Batch]) -> dict[str, float]:
 def _context(node: Node, flow_path: str, error: BaseException | None = None) -> Diagnostic:
     """'while executing old_logp = actor.logprobs(rollout)  # grpo.flow:14' plus the failing frame."""
     where = f"{node.loc.path}:{node.loc.line}"
+    if node.via is not None:  # a template's line: also the user's line that used the template
+        where += f", used at {node.via.path}:{node.via.line}"
     statement = " ".join((node.text or node.id).split())  # one line, alignment spaces folded
     message = f"while executing {statement}  # {where}"
     hint = None
