@@ -22,7 +22,6 @@ each chunk of finished samples as it arrives, so scoring runs beside the rest of
 
 from __future__ import annotations
 
-import inspect
 import math
 import multiprocessing as mp
 import os
@@ -39,6 +38,7 @@ import torch
 from flowrl.errors import Diagnostic, Loc, RewardError
 from flowrl.ir.graph import RewardDecl
 from flowrl.registry import RewardFn, extra_columns, resolve_reward
+from flowrl.rewards.signature import expected_signature, signature_problem
 from flowrl.rewards.worker import serve
 from flowrl.runtime.batch import Batch
 from flowrl.runtime.functions import score_rollout
@@ -345,7 +345,7 @@ def make_scorer(decl: RewardDecl, *, imports: Sequence[str] = (), folder: str | 
     fn = resolve_reward(decl.target)
     problem = signature_problem(fn)
     if problem is not None:
-        raise RewardError(_at(decl, f"reward '{decl.name}': {problem}", hint=_expected(fn.batched)))
+        raise RewardError(_at(decl, f"reward '{decl.name}': {problem}", hint=expected_signature(fn.batched)))
     from flowrl.rewards import code_tests, sandbox
 
     if options.get("sandbox") == "strict" or fn.fn is code_tests:  # said now, before the first step
@@ -361,29 +361,6 @@ def make_scorer(decl: RewardDecl, *, imports: Sequence[str] = (), folder: str | 
         return InlineScorer(decl.name, fn, on_error)
     return PoolScorer(decl.name, decl.target, workers=workers, timeout=timeout, on_error=on_error, imports=imports,
                       folder=folder or os.path.dirname(os.path.abspath(decl.loc.path)))
-
-
-def _expected(batched: bool) -> str:
-    return ("a batched reward is `fn(prompts, responses, **columns) -> list[float]`" if batched else
-            "a reward is `fn(prompt, response, **row) -> float` (`row`: the data row's other columns)")
-
-
-def signature_problem(reward: RewardFn) -> str | None:
-    """Why `reward` cannot be called as `fn(prompt, response, **row)` (batched: with lists), or None."""
-    try:
-        params = list(inspect.signature(reward.fn).parameters.values())
-    except (TypeError, ValueError):  # a builtin without a signature: the call will tell
-        return None
-    if any(p.kind is p.VAR_POSITIONAL for p in params):
-        return None
-    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    if len(positional) < 2:
-        names = ", ".join(p.name for p in params) or "nothing"
-        return f"'{reward.name}' takes ({names}), not the prompt and the response"
-    extra = [p.name for p in positional[2:] if p.default is p.empty and p.kind is p.POSITIONAL_ONLY]
-    if extra:
-        return f"'{reward.name}' needs positional arguments ({', '.join(extra)}) beyond the prompt and the response"
-    return None
 
 
 def _at(decl: RewardDecl, message: str, hint: str) -> Diagnostic:
