@@ -122,6 +122,7 @@ def test_patching_builtins_or_the_harness_or_exiting_passes_nothing(patch: str) 
     assert code_tests("", patch + wrong, tests=TESTS) == 0.0
 
 
+@needs_strict  # unjailed, it could kill this process: the one thing a test cannot survive to report
 def test_killing_the_parent_fails_and_harms_no_one() -> None:
     kills = (f"import os, signal\nfor pid in (os.getppid(), {os.getpid()}, -1, 0):\n    try:\n"
              "        os.kill(pid, signal.SIGKILL)\n    except OSError:\n        pass\n")
