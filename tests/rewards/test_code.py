@@ -143,8 +143,9 @@ def test_the_harness_files_and_processes_are_out_of_sight(tmp_path: Path) -> Non
              "print('s3cret-42' if 's3cret-42' in found else found)\n")
     assert run_tests(snoop, [{"input": "", "output": "s3cret-42"}]) == [False]
     listing = "import os\nSEEN = sorted(os.listdir('/'))\nPIDS = [p for p in os.listdir('/proc') if p.isdigit()]\n"
-    assert run_tests(listing, ["assert SEEN == ['bin', 'dev', 'lib', 'lib64', 'proc', 'sbin', 'tmp', 'usr']",
-                               "assert PIDS == ['1']"]) == [True, True]
+    root = "{'bin', 'sbin', 'lib', 'lib32', 'lib64', 'libx32', 'dev', 'proc', 'tmp', 'usr'}"
+    assert run_tests(listing, [f"assert set(SEEN) <= {root} and 'usr' in SEEN", "assert PIDS == ['1']"]) == \
+        [True, True]  # /usr and what the host serves from it; no /work, /root, /home, /etc
 
 
 @needs_strict
