@@ -14,7 +14,8 @@ Per step, as the backend's pools take them:
   seconds after the step's start, as many as the last first call used when it had a cold start; a pool's first
   call comes at its offset in the step (generation at 0, the forwards at generation's end, the updates at the
   forwards' end). An instance costs its start before it can work: loading its models' weights from host memory
-  (and, for training, the optimizer state: 8 bytes a parameter) and, in a process that never ran the pool,
+  (a forward or training device its shard; training also the optimizer state's, 8 bytes a parameter) and, in a
+  process that never ran the pool,
   `cold_start_s` first. A pre-warmed instance is held from its start; one the call did not take stays held to
   the step's end (the backend releases it at the next step).
 Forwards and updates run on all devices, each device an instance, held from their start to their stage's end.
@@ -109,9 +110,11 @@ class RLHFless(Serverful):
         self.pools = {"generation": Pool(), "inference": Pool(), "training": Pool()}
 
     def _load(self, models: list[str], training: bool = False) -> float:
+        """Seconds for one of the pool's devices to load its shard of the models (sharded over every device,
+        as the forwards and updates run: FSDP/ZeRO-3) from host memory."""
         nbytes = sum(self.work.shapes[m].weight_bytes + (OPTIMIZER_BYTES * self.work.shapes[m].params
                                                          if training else 0) for m in models)
-        return nbytes / self.cost.f.host_bw
+        return nbytes / self.devices / self.cost.f.host_bw
 
     def _prefixes(self, step: Step, runs: tuple[tuple[int, ...], ...], seqs: list[Seq]) -> list[PrefixPart] | None:
         """The step's deduplicated prefill (None: no shared prefix in the workload, or `dedup` off)."""
