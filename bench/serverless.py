@@ -1,13 +1,19 @@
 """The serverless backend vs the Ray backend's fixed pools: device-seconds held and step time, same seeds.
 
-Workload: examples/longtail_grpo.flow (split placement: pool `rollout` generates, pool `train` runs the forwards
-and the update; one device each, the serverless pools' upper sizes equal to the fixed ones), `--steps` steps,
-the first `--skip` left out. The backends alternate within each round. Reported per run: the median step time,
-the median device-seconds held and busy per step (`cost/held_s`, `cost/busy_s`: fixed pools hold both devices
-the whole step; serverless instances only while their task runs), and the mean reward (the same samples on
-both: one instance per pool draws with rank 0's seed, as the Ray backend does).
+Held device-time is counted as the cluster counts it, on both sides, over whole runs (start-up and the final
+checkpoint included): the serverless run's instance tasks from the grant of their device slot to its return, as
+Ray's task events record them (backends/serverless/held.py, `ServerlessBackend.held_total_s`); the Ray backend's
+placement groups from their creation to their removal (`RayBackend.reserved`), ranks times life.
 
-    python bench/serverless.py --rounds 2 --steps 16
+Workload: examples/longtail_grpo.flow (split placement: pool `rollout` generates, pool `train` runs the forwards
+and the update). `--upper N`: the serverless pools are `gpus = 1..N, elastic = true`; the fixed run gets their
+upper sizes (N ranks a pool: the actor's `replicas = N`, which both of its groups take). `--steps` steps a run,
+the backends alternating within each round (reversed every other round). Reported per run: the whole run's held
+device-seconds and their share against the fixed run of the same round, the median step time (steps after
+`--skip`) and its ratio, the device-seconds held a step (whole run / steps) and the mean reward. Issue 24's
+target: at least 30% fewer device-seconds at most 1.05x the step time.
+
+    python bench/serverless.py --rounds 3 --steps 40
 
 `--curve`: the same workload with the generation pool elastic at 1..2 instances (the Ray backend's fixed pool
 at 2), serverless at cost_weight (lambda) 0, 0.5 and 1, and at 0.5 with each of the mechanisms switched off one
@@ -45,12 +51,35 @@ import flowrl  # noqa: E402
 FLOW = ROOT / "examples" / "longtail_grpo.flow"
 
 
-def measure(backend: str, steps: int, skip: int, out: Path) -> dict[str, Any]:
-    graph = flowrl.load(str(FLOW), overrides={"run.checkpoint_every": "0"})
-    rows = flowrl.run(graph, out_dir=out, backend=backend, steps=steps, overwrite=True).metrics[skip:]
-    return {"backend": backend, "step_s": statistics.median(r["step_time_s"] for r in rows),
-            "held_s": statistics.median(r["cost/held_s"] for r in rows),
-            "busy_s": statistics.median(r["cost/busy_s"] for r in rows),
+def upper_flow(out: Path, backend: str, upper: int) -> Path:
+    """examples/longtail_grpo.flow for one side of the comparison: elastic pools `gpus = 1..upper` (serverless)
+    or `upper` ranks each (the Ray backend's fixed pools)."""
+    if backend == "ray":
+        path = flow_file(out, "gpus = 1")
+        if upper > 1:
+            path.write_text(path.read_text().replace('source  = "tiny:gpt2"', f'source  = "tiny:gpt2"\n    replicas = {upper}'))
+        return path
+    path = flow_file(out, f"gpus = 1..{upper}, elastic = true")
+    path.write_text(path.read_text().replace("pool train   { gpus = 1 }", f"pool train   {{ gpus = 1..{upper}, elastic = true }}"))
+    return path
+
+
+def measure(backend: str, upper: int, steps: int, skip: int, out: Path) -> dict[str, Any]:
+    """One whole run -> its held device-seconds as the cluster counts them, step time and reward."""
+    from flowrl.backends.ray import RayBackend
+    from flowrl.backends.serverless import ServerlessBackend
+
+    graph = flowrl.load(str(upper_flow(out, backend, upper)), overrides={"run.checkpoint_every": "0"})
+    be: Any = RayBackend() if backend == "ray" else ServerlessBackend()
+    res = flowrl.run(graph, out_dir=out, backend=be, steps=steps, overwrite=True)
+    rows = res.metrics
+    if backend == "ray":
+        held, ranks = sum(r.held_s() for r in be.reserved), "+".join(str(r.ranks) for r in be.reserved)
+    else:
+        held, ranks = be.held_total_s, "+".join(f"1..{upper}" for _ in graph.worker_groups)
+    return {"backend": backend, "ranks": ranks, "steps": steps, "held_s": held, "held_step_s": held / steps,
+            "report_held_s": res.cost.get("held_s", 0.0),
+            "step_s": statistics.median(r["step_time_s"] for r in rows[skip:]),
             "reward": statistics.mean(r["reward_mean"] for r in rows)}
 
 
@@ -170,6 +199,7 @@ def main() -> None:
     p.add_argument("--curve", action="store_true", help="the lambda curve and the ablation (see above)")
     p.add_argument("--dedup", action="store_true", help="the deduplicated prefill's modes (see above)")
     p.add_argument("--preamble", type=int, default=15, help="--dedup: characters every prompt opens with")
+    p.add_argument("--upper", type=int, default=1, help="the serverless pools' upper size (the fixed run's ranks)")
     args = p.parse_args()
     if args.curve:
         curve(args)
@@ -177,22 +207,42 @@ def main() -> None:
     if args.dedup:
         dedup(args)
         return
+    compare(args)
+
+
+def compare(args: argparse.Namespace) -> None:
+    """Serverless against fixed pools at its upper sizes, alternated; the table for the README."""
     rows = []
     for r in range(args.rounds):
         for be in (("ray", "serverless") if r % 2 == 0 else ("serverless", "ray")):
-            row = {"round": r + 1, **measure(be, args.steps, args.skip, Path(args.out) / f"{be}_{r + 1}")}
+            row = {"round": r + 1, **measure(be, args.upper, args.steps, args.skip,
+                                             Path(args.out) / f"{be}_{args.upper}_{r + 1}")}
             rows.append(row)
             print(json.dumps(row), flush=True)
-    print("\n| round | backend | step, median | held device-s / step | busy device-s / step | reward |")
-    print("| ---: | --- | ---: | ---: | ---: | ---: |")
+    print(f"\n`python bench/serverless.py --rounds {args.rounds} --steps {args.steps} --upper {args.upper}`"
+          f" (step time: median of steps {args.skip + 1}..{args.steps}; held: whole runs, start-up included)\n")
+    print("| round | backend | ranks | held device-s, whole run | held / step | step, median | vs fixed: held, step "
+          "| reward |")
+    print("| ---: | --- | --- | ---: | ---: | ---: | ---: | ---: |")
     for row in rows:
-        print(f"| {row['round']} | {row['backend']} | {row['step_s']:.3f} s | {row['held_s']:.3f} | "
-              f"{row['busy_s']:.3f} | {row['reward']:.3f} |")
-    for r in range(1, args.rounds + 1):
-        ray_row = next(x for x in rows if x["round"] == r and x["backend"] == "ray")
-        sl = next(x for x in rows if x["round"] == r and x["backend"] == "serverless")
-        print(f"round {r}: serverless held {1 - sl['held_s'] / ray_row['held_s']:.0%} less, "
-              f"step {sl['step_s'] / ray_row['step_s']:.2f}x the Ray backend's")
+        fixed = next(x for x in rows if x["round"] == row["round"] and x["backend"] == "ray")
+        vs = (f"{row['held_s'] / fixed['held_s'] - 1:+.0%}, {row['step_s'] / fixed['step_s']:.2f}x"
+              if row["backend"] != "ray" else "")
+        print(f"| {row['round']} | {'ray (fixed pools)' if row['backend'] == 'ray' else 'serverless'} | "
+              f"{row['ranks']} | {row['held_s']:.1f} | {row['held_step_s']:.3f} | {row['step_s']:.3f} s | {vs} | "
+              f"{row['reward']:.3f} |")
+    less = [1 - sl["held_s"] / f["held_s"] for sl, f in _pairs(rows)]
+    ratio = [sl["step_s"] / f["step_s"] for sl, f in _pairs(rows)]
+    met = all(x >= 0.30 for x in less) and all(x <= 1.05 for x in ratio)
+    print(f"\nserverless held {', '.join(f'{x:.0%}' for x in less)} less, at "
+          f"{', '.join(f'{x:.2f}x' for x in ratio)} the step time (target: >= 30% less at <= 1.05x): "
+          f"{'met' if met else 'NOT met'} in {'every' if met else 'not every'} round")
+
+
+def _pairs(rows: list[dict[str, Any]]) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    return [(next(x for x in rows if x["round"] == r and x["backend"] == "serverless"),
+             next(x for x in rows if x["round"] == r and x["backend"] == "ray"))
+            for r in sorted({x["round"] for x in rows})]
 
 
 if __name__ == "__main__":

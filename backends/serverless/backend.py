@@ -7,7 +7,10 @@ adds nodes when tasks wait for slots and removes idle ones. A pool's upper size 
 `gpus` (the top of a range), else the cluster's slot count; without `placement`, a group's calls count in one
 elastic pool per stage kind (generation, inference, training) in the cost report. Weight sync between groups hands over a version
 in the object store (no copy); an asynchronous run's snapshots are those versions too. `usage()` gives the
-instance tasks that ran since it was last called, for the cost report (flowrl.runtime.cost).
+instance tasks that ran since it was last called, for the cost report (flowrl.runtime.cost), each held for as
+long as Ray had its device slot reserved (its task events: backends/serverless/held.py); what runs after the
+last step (the final checkpoint, instances released at shutdown) is the `usage()` after `shutdown`, and
+`held_total_s` the whole run's held device-seconds as the cluster counted them.
 """
 
 from __future__ import annotations
@@ -24,9 +27,11 @@ import ray
 
 from flowrl.backends.ray.cluster import Session
 from flowrl.backends.serverless.group import ServerlessGroup
+from flowrl.backends.serverless.held import TaskClock
 from flowrl.backends.serverless.instance import SLOT, Build, remote_mailbox
 from flowrl.backends.serverless.ledger import lost_attempts
 from flowrl.backends.serverless.scaling import Policy
+from flowrl.backends.serverless.slots import Acquire, Slots
 from flowrl.errors import Diagnostic, FlowError
 from flowrl.ir.graph import Graph, Range
 from flowrl.runtime.protocol import Usage, WorkerGroup
@@ -52,6 +57,10 @@ class ServerlessBackend:
         self.session = Session(address, log_dir, resources={SLOT: float(self.slots)})
         self.groups: dict[str, ServerlessGroup] = {}
         self.mailbox: Any = None  # the Ray actor that hands over calls, tails and chunks, and keeps the ledger
+        self.clock: TaskClock | None = None  # this run's instance tasks as Ray's task events tell them
+        self.unmeasured = 0  # tasks whose events never came (charged by their own timers)
+        self.tail: list[Usage] = []  # what shutdown found after the last step's usage
+        self.held_total_s = 0.0  # the whole run's device-seconds as the cluster counted them (set at shutdown)
 
     def start(self, graph: Graph, *, seed: int, device: str) -> dict[str, WorkerGroup]:
         self.session.open()
@@ -68,6 +77,7 @@ class ServerlessBackend:
                      "worker group a placement pool with `gpus` (an autoscaling cluster then adds nodes with "
                      "slots on demand), or let flowrl start a local Ray instance"))
         run = uuid.uuid4().hex[:8]
+        self.clock = TaskClock(f"{run}/")  # instance tasks are named by their ledger token, `RUN/GROUP/...`
         keep_warm = bool(graph.run.get("keep_warm", True))
         mailbox = self.mailbox = remote_mailbox.remote()
         r = graph.run
@@ -80,16 +90,23 @@ class ServerlessBackend:
             policy = replace(policy, tau=1.0)
         if "prewarm" in self.ablate:
             policy = replace(policy, prewarm=False)
+        slots = Slots(total)  # the cluster's slots now: waiting instances never hold what their peers need
+        acquire = None
+        if joined:  # a cluster may lack what a pool needs: fail within `acquire_timeout`, naming the pool
+            acquire = Acquire(float(str(r.get("acquire_timeout", 60.0))), self.clock, pools)
+            acquire.lower_bounds({"CPU": 1.0, SLOT: 1.0})
         for wg in graph.worker_groups:
             decl = pools.get(wg.pool or "")
             upper = (decl.gpus.hi if isinstance(decl.gpus, Range) else int(decl.gpus)) if decl is not None else total
             size = upper if joined and decl is not None else min(upper, total)
+            floor = decl.gpus.lo if decl is not None and isinstance(decl.gpus, Range) else 0
             trains = tuple(sorted({str(n.model) for n in graph.nodes if n.op == "update"
                                    and n.worker_group == wg.name}))
             build = Build(tuple(graph.model(m) for m in wg.models), graph.models, seed, device, keep_warm, trains)
             self.groups[wg.name] = ServerlessGroup(wg.name, wg.pool, build, max(1, size), run,
                                                    crash_on_call=self.crash_on_call.get(wg.name),
-                                                   policy=policy, mailbox=mailbox)
+                                                   policy=policy, mailbox=mailbox, slots=slots, floor=floor,
+                                                   acquire=acquire)
         for g in self.groups.values():
             g.start()
         return dict(self.groups)
@@ -116,19 +133,60 @@ class ServerlessBackend:
         return 0.0
 
     def usage(self) -> list[Usage]:
-        """The instance tasks since the last call, with the attempts lost on the way (one ledger read a step)."""
+        """The instance tasks since the last call, with the attempts lost on the way (one ledger read a step),
+        each charged what the cluster counted (`Usage.outside_s`); after `shutdown`, what it found after the
+        last step."""
+        if not self.groups:
+            out, self.tail = self.tail, []
+            return out
         used = [u for g in self.groups.values() for u in g.take_usage()]
         finished = {t: u for g in self.groups.values() for t, u in g.take_finished().items()}
-        if finished and self.mailbox is not None:
-            used += lost_attempts(ray.get(self.mailbox.take_attempts.remote(list(finished))), finished)
-        return used
+        tried = ray.get(self.mailbox.take_attempts.remote(list(finished))) if finished and self.mailbox else {}
+        lost = {t: lost_attempts({t: a}, finished) for t, a in tried.items()}
+        return self._as_counted(used, finished, lost)
+
+    def _as_counted(self, used: list[Usage], finished: Mapping[str, Usage],
+                    lost: Mapping[str, list[Usage]]) -> list[Usage]:
+        """`used` and the lost attempts, each charged what the cluster counted from Ray's task events: a lost
+        attempt its attempt's reservation (`lost_s`), a returned task the part of its last attempt's beyond its
+        own timers (`outside_s`); a task whose events did not come keeps its timers' figures."""
+        gone = [u for us in lost.values() for u in us]
+        if self.clock is None or not finished:
+            return used + gone
+        held, missing = self.clock.held(list(finished))
+        self.unmeasured += len(missing)
+        token = {id(u): t for t, u in finished.items()}
+        out = []
+        for u in used:
+            t = token.get(id(u))
+            if t is None or t not in held:
+                out.append(u)
+                continue
+            out.append(replace(u, outside_s=held[t][-1] - u.held_s))
+        for t, us in lost.items():  # the attempts before the last, in order
+            counted = held.get(t, [])[:-1]
+            if len(counted) == len(us):
+                out += [replace(u, lost_s=s) for u, s in zip(us, counted, strict=True)]
+            else:  # attempts Ray's events and the ledger count differently: each ledger attempt as timed
+                out += us
+        return out
 
     def metrics(self) -> dict[str, float]:
         """Each pool's scaling decisions since the last call (`scale/GROUP/...`)."""
         return {k: v for g in self.groups.values() for k, v in g.take_metrics().items()}
 
     def shutdown(self) -> None:
+        """Release the waiting instances; once every task has returned, keep what ran after the last step's
+        usage (`usage()` gives it) and the whole run's held device-seconds as the cluster counted them."""
         for g in self.groups.values():
             g.close()
-        self.groups, self.mailbox = {}, None
-        self.session.close()
+        try:
+            if self.clock is not None and ray.is_initialized():
+                for g in self.groups.values():
+                    g.drain()
+                self.tail = self.usage()
+                names = {a.name for a in self.clock.attempts()}
+                self.held_total_s = sum(sum(each) for each in self.clock.held(names)[0].values())
+        finally:
+            self.groups, self.mailbox = {}, None
+            self.session.close()

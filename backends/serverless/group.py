@@ -28,6 +28,7 @@ from flowrl.backends.serverless.instance import SLOT, Build, remote_serve
 from flowrl.backends.serverless.ledger import Ledger, usage_of
 from flowrl.backends.serverless.prewarm import Prewarmer, Warm
 from flowrl.backends.serverless.scaling import Policy, Scaler, in_order
+from flowrl.backends.serverless.slots import Acquire, Slots
 from flowrl.elastic.scale import ScaleChoice
 from flowrl.ir.graph import Node
 from flowrl.runtime import dispatch
@@ -84,7 +85,8 @@ class ServerlessGroup:
 
     def __init__(self, name: str, pool: str | None, build: Build, world: int, run_id: str, *, cpus: float = 1.0,
                  crash_on_call: tuple[str, int, str] | None = None, policy: Policy | None = None,
-                 mailbox: Any = None):
+                 mailbox: Any = None, slots: Slots | None = None, floor: int = 0,
+                 acquire: Acquire | None = None):
         self.name, self.pool, self.build, self.world = name, pool, build, world
         self.models = tuple(m.name for m in build.models)
         self.key = (run_id, name)
@@ -100,8 +102,13 @@ class ServerlessGroup:
         self.boxes = itertools.count()
         self.scaler = Scaler(name, world, policy)
         self.ledger = Ledger()  # finished tasks and figures, taken by the controller (any thread may finish)
+        # the run's device slots (shared by its pools): nothing waits holding a slot what it waits for needs
+        self.slots = slots
+        self.acquire = acquire  # how long a call may wait for its first instance on a joined cluster
         self.prewarm = Prewarmer(self.key, build, mailbox, policy.margin_s, policy.prewarm, self.boxes,
-                                 self._wanted, self.options)
+                                 self._wanted, self.options, slots, min(floor, world))
+        if slots is not None:
+            slots.register(name, self.prewarm.yield_idle, self.prewarm.keep_floor)
         self.encoders: dict[str, PromptEncoder] = {}  # generating models' prompt tokenization (prefill planning)
         self.prefill = prefill.Measured()
 
@@ -126,8 +133,14 @@ class ServerlessGroup:
         world = 1 if method in dispatch.UPDATES else self.world
         order, choice = None, None
         if method == "generate" and args and isinstance(args[1], Batch):
-            args, world, order, choice = self.scaler.shards(args)
+            # a migrating generation's instances wait on one another: no more than can run at once
+            args, world, order, choice = self.scaler.shards(args, self._room(self.world))
+        elif method not in dispatch.UPDATES and mode == "split":
+            rows = next((a.size for a in args if isinstance(a, Batch)), 0)
+            world, _ = self.scaler.forward(method, rows)
         plan = dispatch.plan(method, args, kwargs, mode, world)
+        if self.slots is not None:  # idle pre-warmed instances of other pools make way
+            self.slots.make_room(self.name, max(0, len(plan.calls) - self.prewarm.waiting()))
         migrating = args[1] if method == "generate" and len(plan.calls) > 1 and self.policy.tau < 1.0 else None
         migration = f"{self.key[0]}/{self.name}/migrate-{next(self.boxes)}" if migrating is not None else ""
         new = next(VERSIONS) if method in dispatch.UPDATES else 0
@@ -140,12 +153,13 @@ class ServerlessGroup:
         shares, shared = self._shares(plan)
         boxes = [w.box for w in warm] + ([migration] if migrating is not None else []) + ([shared] if shared else [])
         tokens: list[str] = []
+        sink = self.scaler.sink([c.args[1] for c in plan.calls]) if migrating is not None else None
         for c in plan.calls:
             lost = marker if c.rank == 0 else None
             how, kw = method, {**c.kwargs, **({"share": shares[c.rank]} if shares else {})}
             if migrating is not None:
                 how, kw = migrate.METHOD, {**kw, "first_prompt": c.offset, "mailbox": self.mailbox,
-                                           "role": self._role(c.rank, len(plan.calls), migration)}
+                                           "role": self._role(c.rank, len(plan.calls), migration, sink)}
             got, token = self._submit(warm, wanted, how, c.args, kw, new, lost)
             refs.append(got)
             tokens.append(token)
@@ -164,9 +178,24 @@ class ServerlessGroup:
             return w.refs, w.box
         token = f"{self.key[0]}/{self.name}/task-{next(self.boxes)}"
         ledger = (self.mailbox, token) if self.mailbox is not None else None
-        refs = remote_serve.options(**self.options, num_returns=4).remote(
+        refs = remote_serve.options(**self.options, num_returns=4, name=token).remote(
             self.key, self.build, dict(wanted), how, args, dict(kw), new, lost, ledger)
+        if self.slots is not None:
+            self.slots.taken(self.name, refs[1])
         return list(refs), token
+
+    def asked(self) -> dict[str, float]:
+        """What each instance task asks Ray for."""
+        return {"CPU": float(self.cpus), **{k: float(v) for k, v in self.options["resources"].items()}}
+
+    def _room(self, want: int, others: int = 0) -> int | None:
+        """Instances of this pool that can hold a slot at once now, `others` more of other pools' beside them
+        (this pool's idle pre-warmed ones count as its own; other pools' make way): the most a call whose
+        instances wait on one another may use. None: not counted (no slots known)."""
+        if self.slots is None or self.slots.total is None:
+            return None
+        mine = self.prewarm.waiting()
+        return self.slots.make_room(self.name, max(0, want + others - mine)) + mine - others
 
     # ---- a fused gen-infer stage, streamed by the pools themselves (backends/serverless/stream.py) -------
     def stream_stage(self, gen: Node, forwards: Sequence[Node], prompts: Batch, seed: int,
@@ -180,8 +209,11 @@ class ServerlessGroup:
         consumers = {name: others[name] for name in away}
         if not all(isinstance(g, ServerlessGroup) for g in consumers.values()):
             return None
+        room = self._room(self.world, len(away))  # generation and forward instances wait on one another
+        if room is not None and room < 1:
+            return None  # not all of the stage's instances could run at once: the controller runs it unfused
         started = time.perf_counter()
-        args, world, order, choice = self.scaler.shards((str(gen.model), prompts, dict(gen.attrs)))
+        args, world, order, choice = self.scaler.shards((str(gen.model), prompts, dict(gen.attrs)), room)
         plan = dispatch.plan("generate", args, {"step_seed": seed}, "split", world)
         box = f"{self.key[0]}/{self.name}/stream-{next(self.boxes)}" if away else ""
         first, warm = self.prewarm.arrived(len(plan.calls), "generate")
@@ -189,9 +221,10 @@ class ServerlessGroup:
         made = []
         migration = f"{self.key[0]}/{self.name}/migrate-{next(self.boxes)}"
         shares, shared = self._shares(plan)
+        sink = self.scaler.sink([c.args[1] for c in plan.calls])
         for c in plan.calls:
             kw = {**c.kwargs, "first_prompt": c.offset, "box": box, "inline": here, "mailbox": self.mailbox,
-                  "role": self._role(c.rank, len(plan.calls), migration),
+                  "role": self._role(c.rank, len(plan.calls), migration, sink),
                   **({"share": shares[c.rank]} if shares else {})}
             made.append(self._submit(warm, self._wanted(), migrate.METHOD, c.args, kw))
         if away:  # the forward instances start with the first chunk (or once a generation instance returned)
@@ -225,6 +258,8 @@ class ServerlessGroup:
         self.ledger.note(self.scaler.measure(chunks, used, choice, gen_end - shift - started))
         rows = self.scaler.restore_rows(rollout, order)
         rollout = self.scaler.learn_and_restore(rollout, order)
+        if self.slots is not None:
+            self.slots.refill()
         return StreamedStage(
             rollout, {n: in_order(assemble([o for o, _ in got_], [s for _, s in got_]), rows, order)
                       for n, got_ in outs.items()},
@@ -235,6 +270,8 @@ class ServerlessGroup:
     def _collect(self, method: str, refs: Sequence[Sequence[ray.ObjectRef]], tokens: Sequence[str],
                  first: bool) -> tuple[list[Any], list[Usage]]:
         """A call's instance results and their usage (recorded for the cost report and the ledger)."""
+        if self.acquire is not None:  # a joined cluster: fail, naming the pool, rather than wait for good
+            self.acquire.granted(self.pool or self.name, tokens, [r[1] for r in refs], self.asked())
         got = ray.get([r[0] for r in refs] + [r[1] for r in refs])
         used = [self._usage(method, st) for st in got[len(refs):]]
         learned = prefill.learned(self.prefill, [st["prefill"] for st in got[len(refs):] if "prefill" in st])
@@ -261,12 +298,13 @@ class ServerlessGroup:
         self.ledger.note({f"prefill/{self.name}/{k}": v for k, v in decided.items()})
         return shares, box
 
-    def _role(self, rank: int, shards: int, box: str) -> migrate.Role | None:
-        """A generation instance's part in cut-and-migrate: the last shard (the longest predicted work) is the
-        sink, the others sources; None without migration (one shard, or `migrate_at` = 1)."""
-        if shards < 2 or self.policy.tau >= 1.0:
+    def _role(self, rank: int, shards: int, box: str, sink: int | None) -> migrate.Role | None:
+        """A generation instance's part in cut-and-migrate: `sink` (the instance flowrl.elastic's
+        migration_target names: scaling.migration_sink) takes the tails, the others are sources; None without
+        migration (one shard, no sink, or `migrate_at` = 1)."""
+        if shards < 2 or sink is None or self.policy.tau >= 1.0:
             return None
-        return migrate.Role(box, self.policy.tau, shards - 1 if rank == shards - 1 else 0, rank)
+        return migrate.Role(box, self.policy.tau, shards - 1 if rank == sink else 0, rank)
 
     def finish(self, plan: dispatch.Plan, refs: list[list[ray.ObjectRef]], order: list[int] | None,
                choice: ScaleChoice | None = None, sent: float = 0.0, first: bool = False,
@@ -281,6 +319,11 @@ class ServerlessGroup:
             merged = dispatch.merge(plan, results, self.pads.get(model, 0) if isinstance(model, str) else 0)
         if plan.method == "generate" and isinstance(merged, Batch):
             merged = self.scaler.learn_and_restore(merged, order)
+        elif plan.method not in dispatch.UPDATES and plan.mode == "split":
+            rows = [next((a.size for a in c.args if isinstance(a, Batch)), 0) for c in plan.calls]
+            self.ledger.note(self.scaler.learn_forward(plan.method, rows, used))
+        if self.slots is not None:  # the lower bounds let go for this call are kept warm again
+            self.slots.refill()
         return merged
 
     def pool_of(self, method: str) -> str:
@@ -332,3 +375,7 @@ class ServerlessGroup:
     def close(self) -> None:
         """Stop pre-warming and release the instances still waiting."""
         self.prewarm.close()
+
+    def drain(self, timeout_s: float = 60.0) -> None:
+        """Wait (at most `timeout_s`) until the instances released unused have returned."""
+        self.prewarm.wait_returned(timeout_s)

@@ -9,10 +9,18 @@ reads): PENDING_NODE_ASSIGNMENT (asking for resources), SUBMITTED_TO_WORKER (the
 to its worker), RUNNING, FINISHED or FAILED. An attempt holds its slot from SUBMITTED_TO_WORKER to FINISHED or
 FAILED.
 
-Ray keeps a leased worker, and its resources, for the next task of the same shape (function and resources)
-when that task was already waiting as the last one ended: the slot is never given back between the two. That
-gap (from the first's end to the second's grant, on the same worker) is counted, charged to the second task;
-a task that was not yet waiting when the worker freed up got a new lease (the slot was free in between).
+Two reservations that no attempt's own events show are counted too:
+- Ray keeps a leased worker, and its resources, for the next task of the same shape (function and resources)
+  when that task was already waiting as the last one ended: the slot is never given back between the two. That
+  gap (from the first's end to the second's grant, on the same worker) is charged to the second task; a task
+  that was not yet waiting when the worker freed up got a new lease (the slot was free in between).
+- A lease that needs a new worker process holds its resources while the raylet starts that process (Python and
+  Ray: most of a second here), and the owner pushes whichever task of the shape is waiting when it is ready
+  (maybe not the one that asked for it: another lease may have freed up first). A worker launched while one of
+  the run's tasks was waiting for its grant, whose first task came within READY_TO_TASK_S of its being ready
+  (the GCS worker table's `worker_launch_time_ms`, `worker_launched_time_ms`), is counted from its launch,
+  charged to that first task. Workers Ray starts on its own (its pool at start-up, or ahead of a backlog of
+  requests, holding nothing) run no task that soon, or none.
 
 Measured against a second driver sampling `ray.available_resources()` every 10 ms on the same cluster, over the
 same run: tests/ray/test_serverless_held.py. The driver reports its task events every
@@ -28,6 +36,7 @@ from dataclasses import dataclass, replace
 
 import ray
 
+READY_TO_TASK_S = 0.5  # a worker whose first task came later than this after it was ready was not started for it
 WAIT_S = 10.0  # how long `held` waits for a finished task's events before counting it as unmeasured
 
 
@@ -48,19 +57,40 @@ class Attempt:
         return self.granted is not None and self.ended is not None
 
 
-def held_by_task(attempts: Iterable[Attempt]) -> dict[str, float]:
-    """Seconds each task (by name) had its resources reserved: every attempt's grant to end, plus, where the
-    next task of the same shape on the same worker was already waiting when an attempt ended (Ray kept the
-    lease), the gap to its grant, charged to that next task. Attempts not yet granted or ended count nothing."""
+def held_by_task(attempts: Iterable[Attempt], started: Mapping[str, tuple[float, float]] | None = None
+                 ) -> dict[str, float]:
+    """Seconds each task (by name) had its resources reserved, all its attempts together (`held_by_attempt`)."""
+    return {name: sum(each) for name, each in held_by_attempt(attempts, started).items()}
+
+
+def held_by_attempt(attempts: Iterable[Attempt], started: Mapping[str, tuple[float, float]] | None = None
+                    ) -> dict[str, list[float]]:
+    """Seconds each task's attempts (by name, in attempt order) had their resources reserved: every attempt's
+    grant to end, plus, where the next task of the same shape on the same worker was already waiting when an
+    attempt ended (Ray kept the lease), the gap to its grant, charged to that next task; plus, with `started`
+    (worker -> when its process was launched and when it was ready), a worker's start-up for a lease, charged to
+    the task that waited longest when it was launched, and the wait from ready to its first task's grant, charged
+    to that task when it was waiting by then (the module docstring). Attempts not yet granted or ended count
+    nothing."""
     done = sorted((a for a in attempts if a.done), key=lambda a: (a.worker, a.granted))
-    out: dict[str, float] = {}
+    held: dict[tuple[str, int], float] = {(a.name, a.attempt): 0.0 for a in done}
+    firsts: dict[str, Attempt] = {}
     for prev, a in zip([None, *done], done, strict=False):
         assert a.granted is not None and a.ended is not None
-        held = a.ended - a.granted
+        held[(a.name, a.attempt)] += a.ended - a.granted
         if (prev is not None and prev.worker == a.worker and prev.shape == a.shape and prev.ended is not None
                 and a.queued is not None and a.queued <= prev.ended <= a.granted):
-            held += a.granted - prev.ended  # the lease kept for it: the slot never went back
-        out[a.name] = out.get(a.name, 0.0) + held
+            held[(a.name, a.attempt)] += a.granted - prev.ended  # the lease kept for it: the slot never went back
+        firsts.setdefault(a.worker, a)
+    for worker, (launch, ready) in (started or {}).items():
+        f = firsts.get(worker)
+        if f is None or f.granted is None or f.granted - ready > READY_TO_TASK_S:
+            continue  # ran none of the run's tasks, or idle long after it was ready: not started for a lease
+        if any(w.queued is not None and w.granted is not None and w.queued <= launch < w.granted for w in done):
+            held[(f.name, f.attempt)] += max(0.0, f.granted - launch)  # the lease's slot, while it started
+    out: dict[str, list[float]] = {}
+    for name, attempt in sorted(held):
+        out.setdefault(name, []).append(held[(name, attempt)])
     return out
 
 
@@ -75,13 +105,13 @@ class TaskClock:
         """Every attempt of this run's named tasks recorded so far (this job's, names under `prefix`)."""
         from ray.core.generated import common_pb2, gcs_pb2
 
-        status = common_pb2.TaskStatus
+        status = common_pb2.TaskStatus  # type: ignore[attr-defined]  # generated protobuf, no stubs
         # not a public API (ray._private.state is what ray.timeline() reads), pinned by the tests against Ray's own
         # resource accounting
         accessor = ray._private.state.state._connect_and_get_accessor()
         out: list[Attempt] = []
         for raw in accessor.get_task_events():
-            ev = gcs_pb2.TaskEvents.FromString(raw)
+            ev = gcs_pb2.TaskEvents.FromString(raw)  # type: ignore[attr-defined]
             info = ev.task_info
             if ev.job_id.hex() != self.job or not info.name.startswith(self.prefix):
                 continue
@@ -94,9 +124,24 @@ class TaskClock:
                 min(ended) / 1e9 if ended else None))
         return settled(out)
 
-    def held(self, names: Collection[str], wait_s: float = WAIT_S) -> tuple[dict[str, float], list[str]]:
-        """(seconds held by each of `names`, the names whose events did not come within `wait_s`) for tasks
-        that have returned: each one's last attempt ended and every attempt was granted."""
+    def started(self) -> dict[str, tuple[float, float]]:
+        """Worker (hex id) -> (when the raylet launched its process, when it was ready: wall clock), for this
+        job's workers that a raylet launched (not drivers)."""
+        from ray.core.generated import gcs_pb2
+
+        accessor = ray._private.state.state._connect_and_get_accessor()
+        out = {}
+        for raw in accessor.get_worker_table():
+            w = gcs_pb2.WorkerTableData.FromString(raw)  # type: ignore[attr-defined]
+            mine = not w.job_id or w.job_id.hex() == self.job  # a worker process serves one job
+            if mine and 0 < w.worker_launch_time_ms < 2**62 and w.worker_launched_time_ms < 2**62:  # drivers: none
+                out[w.worker_address.worker_id.hex()] = (w.worker_launch_time_ms / 1e3,
+                                                         w.worker_launched_time_ms / 1e3)
+        return out
+
+    def held(self, names: Collection[str], wait_s: float = WAIT_S) -> tuple[dict[str, list[float]], list[str]]:
+        """(seconds held by each attempt of each of `names`, the names whose events did not come within
+        `wait_s`) for tasks that have returned: each one's last attempt ended and every attempt was granted."""
         deadline = time.monotonic() + wait_s
         while True:
             got = self.attempts()
@@ -104,7 +149,7 @@ class TaskClock:
             if not missing or time.monotonic() >= deadline:
                 break
             time.sleep(0.01)  # the driver reports its events every RAY_task_events_report_interval_ms
-        held = held_by_task(got)
+        held = held_by_attempt(got, self.started())
         return {n: held[n] for n in names if n in held and n not in missing}, missing
 
 

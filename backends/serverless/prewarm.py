@@ -2,7 +2,10 @@
 call of a step will want, so that they are ready `margin_s` before the earliest that call has come.
 
 A pre-warmed instance is an `instance.prewarm` task: it builds and loads its models, then waits (holding its
-device, idle) for the call the driver puts in its Mailbox box. The step's first call takes the waiting
+device, idle) for the call the driver puts in its Mailbox box. A pool with a lower bound (`gpus = LO..HI`, LO > 0)
+keeps LO instances waiting all along (`floor`: held and counted), started again after each call takes them.
+Nothing starts beyond the run's free device slots, and waiting instances make way for another pool's call that
+finds none free (`yield_idle`; backends/serverless/slots.py). The step's first call takes the waiting
 instances (`arrived`); at the next step those it did not take are told they are not needed (`release`), and
 their usage is read once they have returned (`returned`). The timer thread and the controller meet under this
 object's lock.
@@ -19,6 +22,7 @@ from typing import Any
 import ray
 
 from flowrl.backends.serverless.instance import Build, remote_prewarm
+from flowrl.backends.serverless.slots import Slots
 from flowrl.elastic.prewarm import prewarm_delay
 from flowrl.runtime.protocol import Usage
 
@@ -36,7 +40,8 @@ class Prewarmer:
     `options` the task's Ray resources (the same as the pool's other instance tasks)."""
 
     def __init__(self, key: tuple[str, str], build: Build, mailbox: Any, margin_s: float, enabled: bool,
-                 boxes: Iterator[int], wanted: Callable[[], Mapping[str, Any]], options: Mapping[str, Any]):
+                 boxes: Iterator[int], wanted: Callable[[], Mapping[str, Any]], options: Mapping[str, Any],
+                 slots: Slots | None = None, floor: int = 0):
         self.key, self.build, self.mailbox, self.margin_s = key, build, mailbox, margin_s
         self.enabled = enabled
         self.boxes, self.wanted, self.options = boxes, wanted, dict(options)
@@ -50,14 +55,19 @@ class Prewarmer:
         self.warm: list[Warm] = []  # started, waiting for their call
         self.unused: list[tuple[Warm, str]] = []  # told they are not needed; their usage not yet taken
         self.first_method = "generate"  # the method of the step's first call (its pool counts unused instances)
+        self.slots = slots  # the run's device slots: never start more than are free (backends/serverless/slots.py)
+        self.floor = floor  # instances kept warm all along (the pool's lower bound `gpus = LO..HI`)
 
     def begin_step(self, began: float) -> None:
-        """A step starts (perf_counter `began`): release instances started for the last one and not used, and
-        when the history says the group's first call has had to build models, start as many instances as it
-        used, timed from the earliest that call has come."""
+        """A step starts (perf_counter `began`): release instances started for the last one and not used (but
+        `floor` of them), start the `floor` ones missing, and when the history says the group's first call has
+        had to build models, start as many instances as it used, timed from the earliest that call has come."""
         with self.lock:
+            kept, self.warm = self.warm[:self.floor], self.warm[self.floor:]  # the lower bound stays warm
             self._release()
+            self.warm = kept
             self.step_began, self.first_pending = began, True
+            self._launch(self.floor - len(self.warm))
             delay = prewarm_delay(self.offsets, self.ready_s, self.margin_s)
             if not self.enabled or self.mailbox is None or delay is None or not self.needed:
                 return
@@ -69,12 +79,40 @@ class Prewarmer:
         with self.lock:
             if self.step_began != began or not self.first_pending:  # too late: the call came first
                 return
-            wanted = dict(self.wanted())
-            for _ in range(n):
-                box = f"{self.key[0]}/{self.key[1]}/{next(self.boxes)}"
-                started: Any = remote_prewarm.options(**self.options, num_returns=4).remote(
-                    self.key, self.build, wanted, self.mailbox, box)
-                self.warm.append(Warm(box, list(started)))
+            self._launch(n - len(self.warm))
+
+    def _launch(self, n: int) -> None:
+        """Start up to `n` more instances (no more than the run has free slots for); under the lock."""
+        n = self.slots.room(n) if self.slots is not None else n
+        if n <= 0 or self.mailbox is None:
+            return
+        wanted = dict(self.wanted())
+        for _ in range(n):
+            box = f"{self.key[0]}/{self.key[1]}/{next(self.boxes)}"
+            started: Any = remote_prewarm.options(**self.options, num_returns=4, name=box).remote(
+                self.key, self.build, wanted, self.mailbox, box)
+            self.warm.append(Warm(box, list(started)))
+            if self.slots is not None:
+                self.slots.taken(self.key[1], started[1])
+
+    def keep_floor(self) -> None:
+        """Start instances until `floor` wait for a call (the pool's lower bound kept warm), as slots allow."""
+        with self.lock:
+            if self.floor > len(self.warm) and self.step_began is not None:
+                self._launch(self.floor - len(self.warm))
+
+    def waiting(self) -> int:
+        """Instances started and waiting for a call (slots this pool holds idle)."""
+        with self.lock:
+            return len(self.warm)
+
+    def yield_idle(self) -> list[Any]:
+        """Another pool needs the slots: tell the instances waiting here that they are not needed -> their stats
+        refs (they return at once)."""
+        with self.lock:
+            let_go = [w.refs[1] for w in self.warm]
+            self._release()
+        return let_go
 
     def arrived(self, shards: int, method: str) -> tuple[bool, list[Warm]]:
         """A call comes: (whether it is the step's first, the pre-warmed instances it takes)."""
@@ -117,6 +155,13 @@ class Prewarmer:
             back = [(w, method) for w, method in self.unused if w.refs[1] in ready]
             self.unused = [x for x in self.unused if x[0].refs[1] not in ready]
         return [(ray.get(w.refs[1]), method, w.box) for w, method in back]
+
+    def wait_returned(self, timeout_s: float) -> None:
+        """Wait (at most `timeout_s`) until every instance released unused has returned."""
+        with self.lock:
+            refs = [w.refs[1] for w, _ in self.unused]
+        if refs:
+            ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
 
     def close(self) -> None:
         """Stop pre-warming and release the instances still waiting."""

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from flowrl.elastic.assign import ranked_runs
+from flowrl.elastic.migrate import migration_target
 from flowrl.elastic.predict import LengthPredictor
 from flowrl.elastic.scale import DecodeCurve, ScaleChoice, choose_instances
 from flowrl.runtime.batch import Batch
@@ -47,6 +48,19 @@ def in_order(out: Batch, rows: list[int] | None, order: list[int] | None) -> Bat
     return back
 
 
+def migration_sink(work: Sequence[float], rows: Sequence[int]) -> int | None:
+    """The instance a migrating generation's sources hand their tails to (`flowrl.elastic.migration_target`, the
+    call the simulator makes): the one kept to the end is the one with the most predicted work (ties: the later
+    shard, which length-ranked assignment gives the longest prompts); its free slots are the step's rows less
+    its own. None (no migration) when some source's rows would not fit there, or with one instance."""
+    if len(work) < 2:
+        return None
+    keep = max(range(len(work)), key=lambda i: (work[i], i))
+    free = {keep: sum(rows) - rows[keep]}
+    targets = {migration_target(free, src, rows[src]) for src in range(len(rows)) if src != keep}
+    return keep if targets == {keep} else None
+
+
 class Scaler:
     """One pool's generation scaling: its length history, its measured decode curve and task overhead."""
 
@@ -55,19 +69,23 @@ class Scaler:
         self.lengths = LengthPredictor()  # per prompt id: what its samples' response lengths were
         self.decode: dict[int, float] = {}  # measured seconds per decode step, by the samples an instance decodes
         self.overhead_s = 0.0  # a generation task's time beyond decoding (starting, loading, returning)
+        self.per_row: dict[str, float] = {}  # a forward method's measured seconds per row (sample)
+        self.call_overhead: dict[str, float] = {}  # its tasks' time beyond the method (warm starts)
 
-    def shards(self, args: tuple[Any, ...]) -> tuple[tuple[Any, ...], int, list[int] | None, ScaleChoice | None]:
-        """A generation's (model, prompts, attrs) over this pool: the instance count (the cost-aware choice),
+    def shards(self, args: tuple[Any, ...], limit: int | None = None
+               ) -> tuple[tuple[Any, ...], int, list[int] | None, ScaleChoice | None]:
+        """A generation's (model, prompts, attrs) over this pool: the instance count (the cost-aware choice,
+        among 1..min(world, limit): `limit`, the instances that can run at once when they wait on one another),
         the prompts in length-ranked order -> (args, instances, the ranked order or None, the choice or None)."""
-        world, order, choice = self.world, None, None
+        world, order, choice = self.world if limit is None else max(1, min(self.world, limit)), None, None
         if world > 1:
-            choice = self.scale(args[1], args[2] if len(args) > 2 else {})
+            choice = self.scale(args[1], args[2] if len(args) > 2 else {}, world)
             world = choice.chosen.instances if choice is not None else world
             if self.policy.assign:
                 args, order = self.ranked(args, world)
         return args, world, order, choice
 
-    def scale(self, prompts: Batch, attrs: Mapping[str, Any]) -> ScaleChoice | None:
+    def scale(self, prompts: Batch, attrs: Mapping[str, Any], world: int | None = None) -> ScaleChoice | None:
         """How many instances generate this step: flowrl.elastic's argmin of cost_weight * T(N) / T_ref +
         (1 - cost_weight) * C(N) / C_ref over N = 1..world, from the prompts' predicted lengths and this run's
         measured seconds per decode step. None (all `world`) until a first generation was measured."""
@@ -76,7 +94,7 @@ class Scaler:
         predicted = self.predicted(prompts)
         ids = [int(i) for i in prompts.meta.get("prompt_id", range(prompts.size))]
         samples = int(str(attrs.get("n", 1))) if isinstance(attrs, Mapping) else 1
-        return choose_instances(predicted, samples, range(1, self.world + 1), DecodeCurve(self.decode),
+        return choose_instances(predicted, samples, range(1, (world or self.world) + 1), DecodeCurve(self.decode),
                                 self.policy.cost_weight, start_s=self.overhead_s,
                                 profiles=self.lengths.predict_profiles(ids, samples, fallback=0.0)
                                 if self.policy.predict else None)
@@ -110,6 +128,42 @@ class Scaler:
         runs = ranked_runs(self.predicted(prompts), instances)
         order = [i for run in runs for i in run]
         return (args[0], prompts.select(order), *args[2:]), order
+
+    def forward(self, method: str, rows: int, limit: int | None = None) -> tuple[int, ScaleChoice | None]:
+        """A split call that is not a generation (a forward over a rollout): its instance count by the same cost
+        rule, from this method's measured seconds per row (an instance's time is its rows times that, plus the
+        tasks' measured overhead) -> (instances, the choice); 1 until the method was measured, never more than
+        the pool's upper size or the rows."""
+        top = min(self.world if limit is None else max(1, min(self.world, limit)), max(1, rows))
+        per = self.per_row.get(method)
+        if not self.policy.scale or top < 2:  # the count switched off (ablation): the upper size, as it was
+            return top, None
+        if per is None:
+            return 1, None
+        curve = DecodeCurve({1: per, 2: 2 * per})  # rows run together cost each row's time: linear
+        choice = choose_instances([1.0] * rows, 1, range(1, top + 1), curve, self.policy.cost_weight,
+                                  start_s=self.call_overhead.get(method, 0.0))
+        return choice.chosen.instances, choice
+
+    def learn_forward(self, method: str, rows: Sequence[int], used: Sequence[Usage]) -> dict[str, float]:
+        """What a forward's instances measured (seconds per row, overhead) -> its metrics."""
+        ran = sum(u.run_s for u in used)
+        if sum(rows) and ran > 0:
+            per = ran / sum(rows)
+            old = self.per_row.get(method)
+            self.per_row[method] = per if old is None else 0.5 * old + 0.5 * per
+        warm = [u.held_s - u.run_s for u in used if not u.cold]
+        if warm:
+            self.call_overhead[method] = sum(warm) / len(warm)
+        return {f"scale/{self.name}/{method}_instances": float(len(used))}
+
+    def sink(self, shards: Sequence[Any]) -> int | None:
+        """A migrating generation's sink among its instances' prompt shards (`migration_sink`): each shard's
+        predicted work is its prompts' predicted response lengths summed."""
+        batches = [b for b in shards if isinstance(b, Batch)]
+        if len(batches) != len(shards):
+            return len(shards) - 1 if len(shards) > 1 else None
+        return migration_sink([sum(self.predicted(b)) for b in batches], [b.size for b in batches])
 
     def predicted(self, prompts: Batch) -> list[float]:
         """Each prompt's predicted response length (without prediction: the last batch's mean for all)."""

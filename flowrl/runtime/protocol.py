@@ -35,7 +35,9 @@ class RankLostError(RuntimeError):
 @dataclass(frozen=True)
 class Usage:
     """One instance task of an elastic backend (`Backend.usage()`), what the cost report (flowrl.runtime.cost)
-    charges: which pool, when it held its device (wall clock), and how that time went."""
+    charges: which pool, when it held its device (wall clock), and how that time went. `held_s` is what the
+    cluster counted (the grant of its device to its return: `outside_s` is the part the task's own timers did
+    not see, such as scheduling, argument transfer and the result's export), where the backend measured it."""
 
     pool: str  # the placement pool, or the stage kind (generation, inference, training) without one
     group: str
@@ -54,10 +56,11 @@ class Usage:
     kept_on_device: bool = False  # its models stayed on the device after it gave the device back: memory still held
     left_bytes: float = 0.0  # device memory it left allocated above what it found, giving the device back (CUDA)
     lost_s: float = 0.0  # an attempt whose process was lost: from its start to its retry's (the task re-ran)
+    outside_s: float = 0.0  # held as the cluster counts it beyond the timers above (below 0: they saw more)
 
     @property
     def held_s(self) -> float:
-        return self.start_s + self.load_s + self.wait_s + self.run_s + self.lost_s
+        return self.start_s + self.load_s + self.wait_s + self.run_s + self.lost_s + self.outside_s
 
     @property
     def ahead_s(self) -> float:

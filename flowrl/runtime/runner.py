@@ -95,6 +95,7 @@ def run(graph: Graph, *, out_dir: str | Path, backend: Backend, steps: int | Non
     rewards: dict[str, Scorer] = {}
     ahead: Ahead | None = None
     pools: list[cost.Pool] = []
+    meter: cost.CostMeter | None = None
     try:
         rewards = scorers_of(graph)
         starting = time.perf_counter()
@@ -162,7 +163,9 @@ def run(graph: Graph, *, out_dir: str | Path, backend: Backend, steps: int | Non
     metrics = report.read_metrics(metrics_path)
     if metrics:
         report.plot_rewards(metrics, out / "reward.png", graph.flow)
-    spent = cost.summary(metrics, pools, float(str(graph.run.get("gpu_hour", 0.0))),
+    tail = be.usage()  # an elastic backend's tasks after the last step's row: the final checkpoint, released instances
+    ended = [meter.step([], time.perf_counter(), tail)] if tail and meter is not None else []
+    spent = cost.summary(metrics + ended, pools, float(str(graph.run.get("gpu_hour", 0.0))),
                          float(str(graph.run.get("cpu_hour", 0.0)))) if pools else {}
     if spent:
         (out / "cost.json").write_text(json.dumps(spent, indent=2), encoding="utf-8")

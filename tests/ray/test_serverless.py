@@ -77,7 +77,8 @@ def test_the_cost_report_is_the_instance_tasks(tmp_path: Path, split_grpo: Calla
         assert row["cost/cold_starts"] + row["cost/warm_starts"] == len(spans)
     assert sum(r["cost/cold_starts"] for r in res.metrics) >= 2  # each pool built its models at least once
     assert sum(r["cost/warm_starts"] for r in res.metrics) > 0  # and reused them
-    assert res.cost["held_s"] == pytest.approx(sum(r["cost/held_s"] for r in res.metrics))
+    # the whole run: every step's row and what ran after the last one (the final checkpoint's task)
+    assert res.cost["held_s"] > sum(r["cost/held_s"] for r in res.metrics)
     tracks = {e["tid"]: e["args"]["name"] for e in json.loads((tmp_path / "out" / "trace.json").read_text())[
         "traceEvents"] if e.get("ph") == "M" and e["name"] == "thread_name"}
     assert {tracks[e["tid"]] for e in events} == {"gen instances", "train instances"}  # flowrl timeline's rows

@@ -1,0 +1,139 @@
+"""Held device-time as the cluster counts it (backends/serverless/held.py): the attempts' arithmetic with worked
+values, and the whole run's `cost/held_s` against a second driver on the same Ray cluster that integrates the
+device slots in use from `ray.available_resources()` over the same run."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from flowrl.backends.serverless.held import Attempt, held_by_task, settled
+
+
+def _helper(name: str) -> Any:
+    """A helper module beside this file (tests are not a package: pytest imports them by path)."""
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+cluster = _helper("cluster_head")
+ROOT, head, longtail_flow = cluster.ROOT, cluster.head, cluster.longtail_flow
+SAMPLER = Path(__file__).with_name("slot_sampler.py")
+
+
+def attempt(name: str, worker: str, queued: float, granted: float | None, ended: float | None, shape: str = "serve",
+            n: int = 0) -> Attempt:
+    return Attempt(name, n, worker, shape, queued, granted, ended)
+
+
+def test_each_attempt_holds_from_its_grant_to_its_end() -> None:
+    held = held_by_task([attempt("a", "w1", 0.0, 0.5, 2.0), attempt("b", "w2", 0.0, 0.2, 1.2),
+                         attempt("c", "w3", 1.0, None, None)])  # c: never granted yet, counts nothing
+    assert held == pytest.approx({"a": 1.5, "b": 1.0})
+
+
+def test_a_lease_kept_for_the_next_task_of_its_shape_counts_the_gap() -> None:
+    # b was waiting (queued at 1.0) when a ended at 2.0 on w1, and got w1 at 2.1: the slot never went back
+    kept = held_by_task([attempt("a", "w1", 0.0, 0.5, 2.0), attempt("b", "w1", 1.0, 2.1, 3.0)])
+    assert kept == pytest.approx({"a": 1.5, "b": 1.0})
+    # not waiting when a ended: a new lease (the slot was free from 2.0 to 2.5)
+    assert held_by_task([attempt("a", "w1", 0.0, 0.5, 2.0), attempt("b", "w1", 2.4, 2.5, 3.0)]) == pytest.approx(
+        {"a": 1.5, "b": 0.5})
+    # another shape (the pre-warm function) cannot take a's lease
+    assert held_by_task([attempt("a", "w1", 0.0, 0.5, 2.0), attempt("b", "w1", 1.0, 2.1, 3.0, shape="prewarm")]
+                        ) == pytest.approx({"a": 1.5, "b": 0.9})
+
+
+def test_a_worker_started_for_a_waiting_lease_holds_from_its_launch() -> None:
+    # b waited from 1.0; w2 was launched at 1.2 for its lease, ready at 1.8, and got b at 2.0: held from 1.2
+    tasks = [attempt("a", "w1", 0.0, 0.1, 3.0), attempt("b", "w2", 1.0, 2.0, 2.5)]
+    assert held_by_task(tasks, {"w1": (-5.0, -4.0), "w2": (1.2, 1.8)}) == pytest.approx({"a": 2.9, "b": 1.3})
+    # c got w1's kept lease; w2, launched at 1.2 for c's lease and ready at 1.8, went to d (queued at 1.9): the
+    # lease was d's from w2's launch
+    tasks = [attempt("a", "w1", 0.0, 0.1, 2.0), attempt("c", "w1", 1.0, 2.0, 3.0), attempt("d", "w2", 1.9, 2.1, 2.6)]
+    assert held_by_task(tasks, {"w2": (1.2, 1.8)}) == pytest.approx({"a": 1.9, "c": 1.0, "d": 0.5 + 0.9})
+    # started ahead of a backlog (its first task came long after it was ready) or when nothing waited (Ray's
+    # own pool): no lease held for it
+    assert held_by_task(tasks, {"w2": (1.2, 1.3)})["d"] == pytest.approx(0.5)
+    assert held_by_task([attempt("e", "w3", 5.0, 5.1, 6.0)], {"w3": (4.0, 4.5)}) == pytest.approx({"e": 0.9})
+
+
+def test_a_lost_attempt_holds_until_its_retry_asks_and_the_task_sums_its_attempts() -> None:
+    lost = attempt("a", "w1", 0.0, 0.1, None, n=0)  # its worker died: no end of its own
+    retry = attempt("a", "w2", 1.1, 1.3, 2.3, n=1)
+    got = settled([lost, retry])
+    assert got[0].ended == 1.1 and got[1] == retry
+    assert held_by_task(got) == pytest.approx({"a": 1.0 + 1.0})
+
+
+def _run_sampled(tmp_path: Path, slots: int, rollout: str, steps: int) -> tuple[dict[str, float], dict[str, float]]:
+    """A serverless run joined to a private head with `slots` device slots, sampled from outside ->
+    (the sampler's figures, the run's cost.json)."""
+    flow = longtail_flow(tmp_path, rollout, run=", prewarm = true")
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    with head(slots) as address:
+        ready, counted = tmp_path / "sampling", tmp_path / "sampled.json"
+        sampler = subprocess.Popen([sys.executable, str(SAMPLER), address, str(counted), str(ready)],
+                                   stdin=subprocess.PIPE, env=env, cwd=ROOT)
+        try:
+            while not ready.exists():  # the sampler counts from before the run's first task
+                assert sampler.poll() is None, "the sampler ended before it began counting"
+                try:
+                    sampler.wait(timeout=0.05)
+                except subprocess.TimeoutExpired:
+                    pass
+            run = subprocess.run([sys.executable, "-m", "flowrl", "run", str(flow), "--backend", "serverless",
+                                  "--address", address, "--steps", str(steps), "--out", str(tmp_path / "run")],
+                                 env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
+            assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+        finally:
+            assert sampler.stdin is not None
+            sampler.stdin.close()  # the run's driver has exited: every slot it held is back
+            sampler.wait(timeout=120)
+    return json.loads(counted.read_text()), json.loads((tmp_path / "run" / "cost.json").read_text())
+
+
+@pytest.mark.ray
+def test_the_cost_report_holds_what_the_cluster_counted(tmp_path: Path) -> None:
+    """Two integrals over the same run: the device slots Ray had reserved, sampled every ~10 ms by another
+    driver, and the run's `cost/held_s` (start-up, pre-warmed waits, migration and scheduling included)."""
+    sampled, cost = _run_sampled(tmp_path, slots=2, rollout="1..2", steps=6)
+    assert sampled["samples"] > 100 and sampled["most_busy"] >= 1.0  # it saw the run
+    print(f"held: cost.json {cost['held_s']:.2f} dev-s, sampled {sampled['busy_slot_s']:.2f}")
+    assert cost["held_s"] == pytest.approx(sampled["busy_slot_s"], rel=0.05)
+
+
+@pytest.mark.ray
+def test_fixed_pools_hold_their_placement_groups_from_creation_to_removal(tmp_path: Path, ray_session: Any,
+                                                                           split_grpo: Any) -> None:
+    """The Ray backend's held device-time is its placement groups' lives: created before the first step, alive
+    (and counted open) through every step, removed at shutdown; ranks times life."""
+    from flowrl.backends.ray import RayBackend
+
+    be = RayBackend()
+    seen: list[tuple[int, list[Any]]] = []
+    flowrl_run(split_grpo(steps=2), tmp_path, be,
+               on_step=lambda step, row: seen.append((step, list(be.reserved))))
+    assert [s for s, _ in seen] == [1, 2]
+    for _, live in seen:
+        assert sorted((r.group, r.ranks) for r in live) == [("gen", 1), ("train", 1)]
+        assert all(r.removed is None for r in live)
+    assert len(be.reserved) == 2 and all(r.removed is not None and r.removed > r.created for r in be.reserved)
+    gen = next(r for r in be.reserved if r.group == "gen")
+    assert gen.removed is not None and gen.held_s() == pytest.approx(gen.removed - gen.created)
+
+
+def flowrl_run(graph: Any, out: Path, backend: Any, **kw: Any) -> Any:
+    import flowrl
+
+    return flowrl.run(graph, out_dir=out / "run", backend=backend, **kw)
