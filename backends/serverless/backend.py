@@ -26,6 +26,7 @@ from typing import Any
 import ray
 
 from flowrl.backends.ray.cluster import Session
+from flowrl.backends.serverless.devices import devices_for
 from flowrl.backends.serverless.group import ServerlessGroup
 from flowrl.backends.serverless.held import TaskClock
 from flowrl.backends.serverless.instance import SLOT, Build, remote_mailbox
@@ -64,7 +65,8 @@ class ServerlessBackend:
 
     def start(self, graph: Graph, *, seed: int, device: str) -> dict[str, WorkerGroup]:
         self.session.open()
-        total = int(ray.cluster_resources().get(SLOT, 0))
+        cluster = ray.cluster_resources()
+        total = devices_for(cluster).capacity(cluster)  # whole devices: GPUs where it has them, else slots
         pools = {p.name: p for p in graph.pools}
         # A cluster flowrl joined (an address) may grow: demand for slots is what makes its autoscaler add
         # nodes, so a declared pool is sized by its upper `gpus`, not by the slots there now (none, on a
@@ -72,7 +74,7 @@ class ServerlessBackend:
         joined = self.session.address is not None
         if total < 1 and not (joined and all(pools.get(wg.pool or "") is not None for wg in graph.worker_groups)):
             raise FlowError(Diagnostic(
-                f"the Ray cluster has no `{SLOT}` resource: serverless instances take one each",
+                f"the Ray cluster has no GPU and no `{SLOT}` resource: serverless instances take one each",
                 hint=f"start its nodes with --resources '{{\"{SLOT}\": N}}' (N devices a node), give every "
                      "worker group a placement pool with `gpus` (an autoscaling cluster then adds nodes with "
                      "slots on demand), or let flowrl start a local Ray instance"))
@@ -98,15 +100,19 @@ class ServerlessBackend:
         for wg in graph.worker_groups:
             decl = pools.get(wg.pool or "")
             upper = (decl.gpus.hi if isinstance(decl.gpus, Range) else int(decl.gpus)) if decl is not None else total
-            size = upper if joined and decl is not None else min(upper, total)
+            devices = devices_for(cluster, float(str(decl.options["gpu_fraction"]))
+                                  if decl is not None and "gpu_fraction" in decl.options else None)
+            size = upper if joined and decl is not None else min(upper, devices.capacity(cluster))
+            on_device = decl is not None and decl.options.get("keep_warm") == "device"
             floor = decl.gpus.lo if decl is not None and isinstance(decl.gpus, Range) else 0
             trains = tuple(sorted({str(n.model) for n in graph.nodes if n.op == "update"
                                    and n.worker_group == wg.name}))
-            build = Build(tuple(graph.model(m) for m in wg.models), graph.models, seed, device, keep_warm, trains)
+            build = Build(tuple(graph.model(m) for m in wg.models), graph.models, seed, device, keep_warm, trains,
+                          on_device)
             self.groups[wg.name] = ServerlessGroup(wg.name, wg.pool, build, max(1, size), run,
                                                    crash_on_call=self.crash_on_call.get(wg.name),
                                                    policy=policy, mailbox=mailbox, slots=slots, floor=floor,
-                                                   acquire=acquire)
+                                                   acquire=acquire, devices=devices)
         for g in self.groups.values():
             g.start()
         return dict(self.groups)

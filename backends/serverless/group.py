@@ -24,7 +24,8 @@ from typing import Any
 import ray
 
 from flowrl.backends.serverless import migrate, prefill, stream
-from flowrl.backends.serverless.instance import SLOT, Build, remote_serve
+from flowrl.backends.serverless.devices import Devices
+from flowrl.backends.serverless.instance import Build, remote_serve
 from flowrl.backends.serverless.ledger import Ledger, usage_of
 from flowrl.backends.serverless.prewarm import Prewarmer, Warm
 from flowrl.backends.serverless.scaling import Policy, Scaler, in_order
@@ -86,12 +87,13 @@ class ServerlessGroup:
     def __init__(self, name: str, pool: str | None, build: Build, world: int, run_id: str, *, cpus: float = 1.0,
                  crash_on_call: tuple[str, int, str] | None = None, policy: Policy | None = None,
                  mailbox: Any = None, slots: Slots | None = None, floor: int = 0,
-                 acquire: Acquire | None = None):
+                 acquire: Acquire | None = None, devices: Devices | None = None):
         self.name, self.pool, self.build, self.world = name, pool, build, world
         self.models = tuple(m.name for m in build.models)
         self.key = (run_id, name)
         self.cpus = cpus
-        self.options: dict[str, Any] = {"num_cpus": cpus, "resources": {SLOT: 1}}  # each instance task's
+        self.devices = devices or Devices(cpus=cpus)  # a GPU (share) where the cluster has GPUs, else a slot
+        self.options: dict[str, Any] = self.devices.options()  # each instance task's
         self.state: dict[str, tuple[int, list[Any]]] = {m: (0, []) for m in self.models}
         self.pads: dict[str, int] = {}
         self.crash_on_call = crash_on_call  # tests: (method, n, marker file): its n-th call loses an instance
@@ -186,7 +188,7 @@ class ServerlessGroup:
 
     def asked(self) -> dict[str, float]:
         """What each instance task asks Ray for."""
-        return {"CPU": float(self.cpus), **{k: float(v) for k, v in self.options["resources"].items()}}
+        return self.devices.asks()
 
     def _room(self, want: int, others: int = 0) -> int | None:
         """Instances of this pool that can hold a slot at once now, `others` more of other pools' beside them

@@ -78,6 +78,9 @@ def _ready(key: tuple[str, str], build: Build, wanted: Mapping[str, tuple[int, S
     device = device or choose_device(build.device, [], None)
     began = time.perf_counter()
     entry = _CACHE.get(key)
+    if entry is not None and movable(entry.worker) and str(entry.worker.device) != device:
+        _CACHE.drop(key)  # an engine that places its own memory cannot move: built again where this task runs
+        entry = None
     cold = entry is None
     if entry is None:
         entry = Entry(ModelWorker(build.models, build.all_models, seed=build.seed, device=device),
@@ -190,9 +193,13 @@ def serve(key: tuple[str, str], build: Build, wanted: Mapping[str, tuple[int, Se
     wall = time.time()
     noted = _attempt(ledger, wall)
     placed = _device(build)
-    entry, cold, start_s, load_s = _ready(key, build, wanted, placed["device"])
-    extra: dict[str, Any] = {}
-    result, state, run_s = _run(key, build, entry, method, args, kwargs, new_version, crash, noted, extra)
+    try:
+        entry, cold, start_s, load_s = _ready(key, build, wanted, placed["device"])
+        extra: dict[str, Any] = {}
+        result, state, run_s = _run(key, build, entry, method, args, kwargs, new_version, crash, noted, extra)
+    except BaseException:  # the device goes back all the same: the models leave it first
+        _release(key, build, {**placed, "load_s": 0.0})
+        raise
     stats = {"pid": os.getpid(), "cold": cold, "start_s": start_s, "load_s": load_s, "run_s": run_s,
              "began": wall, "wait_s": 0.0, "prewarmed": False, "ready_first": False, "served": True, **extra,
              **placed}
@@ -209,9 +216,13 @@ def prewarm(key: tuple[str, str], build: Build, wanted: Mapping[str, tuple[int, 
     wall = time.time()
     noted = _attempt((mailbox, box), wall)
     placed = _device(build)
-    entry, cold, start_s, load_s = _ready(key, build, wanted, placed["device"])
-    waiting = time.perf_counter()
-    sent, early = ray.get(mailbox.take.remote(box))
+    try:
+        entry, cold, start_s, load_s = _ready(key, build, wanted, placed["device"])
+        waiting = time.perf_counter()
+        sent, early = ray.get(mailbox.take.remote(box))
+    except BaseException:  # the device goes back all the same: the models leave it first
+        _release(key, build, {**placed, "load_s": 0.0})
+        raise
     wait_s = time.perf_counter() - waiting
     stats = {"pid": os.getpid(), "cold": cold, "start_s": start_s, "load_s": load_s, "run_s": 0.0, "began": wall,
              "wait_s": wait_s, "prewarmed": True, "ready_first": early, "served": sent is not None, **placed}
@@ -219,10 +230,13 @@ def prewarm(key: tuple[str, str], build: Build, wanted: Mapping[str, tuple[int, 
         _release(key, build, stats)
         return None, stats, None, None
     wanted_now, method, args, kwargs, new_version, crash = ray.get(sent[0])
-    # a version newer than the one loaded ahead
-    entry, _, _, newer_s = _ready(key, build, wanted_now, placed["device"])
-    extra: dict[str, Any] = {}
-    result, state, run_s = _run(key, build, entry, method, args, kwargs, new_version, crash, noted, extra)
+    try:  # a version newer than the one loaded ahead, then the call
+        entry, _, _, newer_s = _ready(key, build, wanted_now, placed["device"])
+        extra: dict[str, Any] = {}
+        result, state, run_s = _run(key, build, entry, method, args, kwargs, new_version, crash, noted, extra)
+    except BaseException:  # the device goes back all the same: the models leave it first
+        _release(key, build, {**placed, "load_s": 0.0})
+        raise
     stats.update(load_s=load_s + newer_s, run_s=run_s, **extra)
     _release(key, build, stats)
     return result, stats, state[0], state[1]

@@ -97,3 +97,21 @@ def test_a_pool_key_declares_the_gpu_share_and_where_models_wait(flow_text: Any)
         '        pool gen { gpus = 2, gpu_fraction = 1.5, keep_warm = "devce" }\n'
         '                                                             ^^^^^^^\n'
         'hint: did you mean `device`?')
+
+
+def test_a_pool_that_keeps_its_models_on_the_device_says_so_in_the_cost_report(
+        tmp_path: Path, split_grpo: Any) -> None:
+    """`pool gen { keep_warm = "device" }`: the generation pool's tasks leave their models on the device (the
+    cost report counts them: their processes keep that memory between tasks); the train pool's move theirs to
+    host memory. Every instance's span names the device it chose: this machine's CPU."""
+    res = flowrl.run(split_grpo(steps=2, gen='1, keep_warm = "device"'), out_dir=tmp_path / "out",
+                     backend="serverless")
+    events = [e for e in json.loads((tmp_path / "out" / "trace.json").read_text())["traceEvents"]
+              if e.get("ph") == "X" and e.get("cat") == "held"]
+    tracks = {e["tid"]: e["args"]["name"] for e in json.loads((tmp_path / "out" / "trace.json").read_text())[
+        "traceEvents"] if e.get("ph") == "M" and e["name"] == "thread_name"}
+    assert events and all(e["name"].endswith(" on cpu") for e in events)
+    for row in res.metrics:
+        gen = [e for e in events if tracks[e["tid"]] == "gen instances" and e["args"]["step"] == row["step"]]
+        assert gen and row["cost/kept_on_device"] == len(gen)  # the train pool's tasks are not counted
+        assert row["cost/device_left_bytes"] == 0.0  # no CUDA: nothing measured as left
