@@ -6,8 +6,9 @@ Ray's task events record them (backends/serverless/held.py, `ServerlessBackend.h
 placement groups from their creation to their removal (`RayBackend.reserved`), ranks times life.
 
 Workload: examples/longtail_grpo.flow (split placement: pool `rollout` generates, pool `train` runs the forwards
-and the update). `--upper N`: the serverless pools are `gpus = 1..N, elastic = true`; the fixed run gets their
-upper sizes (N ranks a pool: the actor's `replicas = N`, which both of its groups take). `--steps` steps a run,
+and the update). `--upper N`: the serverless pools are `gpus = 0..N, elastic = true` (scale to zero: a lower
+bound above 0 is kept warm, held and counted, all along); the fixed run gets their upper sizes (N ranks a pool:
+the actor's `replicas = N`, which both of its groups take). `--steps` steps a run,
 the backends alternating within each round (reversed every other round). Reported per run: the whole run's held
 device-seconds and their share against the fixed run of the same round, the median step time (steps after
 `--skip`) and its ratio, the device-seconds held a step (whole run / steps) and the mean reward. Issue 24's
@@ -15,7 +16,7 @@ target: at least 30% fewer device-seconds at most 1.05x the step time.
 
     python bench/serverless.py --rounds 3 --steps 40
 
-`--curve`: the same workload with the generation pool elastic at 1..2 instances (the Ray backend's fixed pool
+`--curve`: the same workload with the generation pool elastic at 0..2 instances (the Ray backend's fixed pool
 at 2), serverless at cost_weight (lambda) 0, 0.5 and 1, and at 0.5 with each of the mechanisms switched off one
 at a time (ServerlessBackend(ablate=...): length prediction, length-ranked assignment, the deduplicated prefill,
 cut-and-migrate, the cost-aware count); configurations alternate in order within each round, reversed every other round.
@@ -52,15 +53,15 @@ FLOW = ROOT / "examples" / "longtail_grpo.flow"
 
 
 def upper_flow(out: Path, backend: str, upper: int) -> Path:
-    """examples/longtail_grpo.flow for one side of the comparison: elastic pools `gpus = 1..upper` (serverless)
+    """examples/longtail_grpo.flow for one side of the comparison: elastic pools `gpus = 0..upper` (serverless)
     or `upper` ranks each (the Ray backend's fixed pools)."""
     if backend == "ray":
         path = flow_file(out, "gpus = 1")
         if upper > 1:
             path.write_text(path.read_text().replace('source  = "tiny:gpt2"', f'source  = "tiny:gpt2"\n    replicas = {upper}'))
         return path
-    path = flow_file(out, f"gpus = 1..{upper}, elastic = true")
-    path.write_text(path.read_text().replace("pool train   { gpus = 1 }", f"pool train   {{ gpus = 1..{upper}, elastic = true }}"))
+    path = flow_file(out, f"gpus = 0..{upper}, elastic = true")
+    path.write_text(path.read_text().replace("pool train   { gpus = 1 }", f"pool train   {{ gpus = 0..{upper}, elastic = true }}"))
     return path
 
 
@@ -76,7 +77,7 @@ def measure(backend: str, upper: int, steps: int, skip: int, out: Path) -> dict[
     if backend == "ray":
         held, ranks = sum(r.held_s() for r in be.reserved), "+".join(str(r.ranks) for r in be.reserved)
     else:
-        held, ranks = be.held_total_s, "+".join(f"1..{upper}" for _ in graph.worker_groups)
+        held, ranks = be.held_total_s, "+".join(f"0..{upper}" for _ in graph.worker_groups)
     return {"backend": backend, "ranks": ranks, "steps": steps, "held_s": held, "held_step_s": held / steps,
             "report_held_s": res.cost.get("held_s", 0.0),
             "step_s": statistics.median(r["step_time_s"] for r in rows[skip:]),
@@ -106,7 +107,7 @@ def curve(args: argparse.Namespace) -> None:
     from flowrl.backends.serverless import ServerlessBackend
 
     out = Path(args.out) / "curve"
-    fixed, elastic = flow_file(out, "gpus = 2"), flow_file(out, "gpus = 1..2, elastic = true")
+    fixed, elastic = flow_file(out, "gpus = 2"), flow_file(out, "gpus = 0..2, elastic = true")
     rows = []
     for r in range(args.rounds):
         for name, be, lam, off in (CURVE if r % 2 == 0 else CURVE[::-1]):
@@ -153,7 +154,7 @@ def dedup(args: argparse.Namespace) -> None:
     from flowrl.backends.serverless import ServerlessBackend
 
     out = Path(args.out) / f"dedup_{args.preamble}"
-    elastic = flow_file(out, "gpus = 1..2, elastic = true")
+    elastic = flow_file(out, "gpus = 0..2, elastic = true")
     if args.preamble != 15:
         data = preamble_data(out, args.preamble)
         elastic.write_text(elastic.read_text().replace(str(FLOW.parent / "data" / "longtail.jsonl"), str(data)))
@@ -236,7 +237,7 @@ def compare(args: argparse.Namespace) -> None:
     met = all(x >= 0.30 for x in less) and all(x <= 1.05 for x in ratio)
     print(f"\nserverless held {', '.join(f'{x:.0%}' for x in less)} less, at "
           f"{', '.join(f'{x:.2f}x' for x in ratio)} the step time (target: >= 30% less at <= 1.05x): "
-          f"{'met' if met else 'NOT met'} in {'every' if met else 'not every'} round")
+          f"{'met in every round' if met else 'NOT met in every round'}")
 
 
 def _pairs(rows: list[dict[str, Any]]) -> list[tuple[dict[str, Any], dict[str, Any]]]:
