@@ -1,17 +1,17 @@
 """Cut-and-migrate on serverless generation instances (RLHFless; issue 15 item 5).
 
 A generation call on N instances runs as N streams (`ModelWorker.generate_stream`: `generate`'s samples, same
-seeds). The instance holding the prompts with the longest predicted responses (the last of the length-ranked
-runs) is the *sink*; the others are *sources*. A source that has finished a fraction `tau` of its sequences
-(flowrl.elastic.should_migrate) stops after a decode step, exports its unfinished rows with their decoding
-state (KV cache, pending tokens, sampling generators: the engine's `Tail`), hands them to the sink through the
-`Mailbox` and returns, releasing its device; a source that finishes before that says so. The sink checks its
-box between decode steps: when tails came, it exports its own rows too and resumes them all as one batch
-(`resume_stream`), so every row keeps its own sampling draws and the samples are those of a run without
-migration. Having finished its own rows, the sink waits for every source's word (a tail or "finished"), so no
-tail is ever left without an instance. Each instance returns its finished rows with their sample numbers
-(`Part`); `assemble` puts the rollout back in sample order. In a fused stage the same instances also stream
-(backends/serverless/stream.py).
+seeds). The instance holding the prompts with the longest predicted responses (the last of the length-ranked runs)
+is the *sink*; the others are *sources*. A source that has finished a fraction `tau` of its sequences
+(flowrl.elastic.should_migrate) stops after a decode step, exports its unfinished rows with their decoding state
+(KV cache, pending tokens, each row's random-stream key and step: the engine's `Tail`), hands them to the sink
+through the `Mailbox` and returns, releasing its device; a source that finishes before that says so. The sink
+checks its box between decode steps: when tails came, it exports its own rows too and resumes them all as one batch
+(`resume_stream`), so every row keeps its own random stream (keyed by its prompt's slot in the step and its sample
+index, flowrl.engines.sampling) and the samples are those of a run without migration, or on one rank. Having
+finished its own rows, the sink waits for every source's word (a tail or "finished"), so no tail is ever left
+without an instance. Each instance returns its finished rows with their sample numbers (`Part`); `assemble` puts
+the rollout back in sample order. In a fused stage the same instances also stream (backends/serverless/stream.py).
 """
 
 from __future__ import annotations

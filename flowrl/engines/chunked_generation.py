@@ -1,14 +1,14 @@
 """Chunked generation for the torch engine (flowrl.engines): `generate_stream` yields samples as they finish.
 
 What `fuse-gen-inference` runs on each generation rank. It is `generate`'s decode loop (same prefill, same
-per-step noise draws, same dropping of finished rows), so a stream that runs to the end yields exactly
-`generate`'s samples, only handed over in chunks (`GenChunk`) as they finish rather than all at the end.
+per-row random streams, same dropping of finished rows), so a stream that runs to the end yields `generate`'s
+samples, only handed over in chunks (`GenChunk`) as they finish rather than all at the end.
 
 The long tail can also move: when asked (`StreamControl.should_export`), a stream stops after a step and
-yields a `Tail`: the unfinished rows' KV caches, pending tokens, partial outputs and sampling state. Another
-rank resumes any number of tails together (`resume_stream`) in one batch. Sampling stays the same because each
-source batch stays a *segment*: it keeps its generator and draws noise of the shape its own loop would have
-drawn (its rows as `generate` would still hold them), and picks its rows' noise from that.
+yields a `Tail`: the unfinished rows' KV caches, pending tokens, partial outputs and stream keys and steps.
+Another rank resumes any number of tails together (`resume_stream`) in one batch. Sampling stays the same
+because a row's draws are a function of its key and its response step only (flowrl.engines.sampling): rows from
+any sources decode side by side, each at its own step.
 
 With `partial`, once at most that many rows are still decoding, every flush also hands over the unfinished
 rows' responses so far (a `GenChunk` with `final = False`), so a consumer elsewhere can score their tokens
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -27,7 +27,6 @@ from torch import Tensor, nn
 
 from flowrl.engines.forward import positions_from_mask
 from flowrl.engines.generation import (
-    Sampler,
     check_sampling_args,
     kv_rows,
     left_pad_prompts,
@@ -35,6 +34,7 @@ from flowrl.engines.generation import (
     prefill_prompts,
 )
 from flowrl.engines.prefill import Prefixes
+from flowrl.engines.sampling import Sampler, row_keys, sampling_seed, slots_of
 from flowrl.models.build import cache_kw
 from flowrl.models.tokenizer import Tokenizer
 
@@ -72,24 +72,6 @@ class GenChunk:
 
 
 @dataclass
-class _Segment:
-    """Rows that sampled together in one loop: their generator, response step and the row count that
-    loop would hold now (`vsize`: its noise draws are (vsize, V))."""
-
-    gen_state: Tensor | None
-    t: int
-    vsize: int
-    ended: bool = False
-    gen: torch.Generator | None = field(default=None, repr=False)
-
-    def generator(self) -> torch.Generator | None:
-        if self.gen is None and self.gen_state is not None:
-            self.gen = torch.Generator()
-            self.gen.set_state(self.gen_state)
-        return self.gen
-
-
-@dataclass
 class Tail:
     """Unfinished rows handed from one rank to another, between a sampling step and the next forward."""
 
@@ -103,47 +85,35 @@ class Tail:
     mask: Tensor  # (r, L)
     pos: Tensor  # (r,) position of the pending token
     pending: Tensor  # (r,) sampled, not yet fed
-    seg: Tensor  # (r,) index into `segments`
-    vpos: Tensor  # (r,) row index in its segment's noise draw
-    segments: list[_Segment]
+    keys: Tensor  # (r, 2) each row's random-stream key (flowrl.engines.sampling)
+    steps: Tensor  # (r,) each row's response step: the index of its pending token
     source: int = -1  # the rank it comes from (set by the scheduler)
 
 
 class _Decoder:
-    """Batched decode state of one rank: physical rows, their segments, the KV cache and output buffers."""
+    """Batched decode state of one rank: physical rows, the KV cache and output buffers. Rows may be at
+    different response steps (a batch resumed from several tails): each samples at its own step."""
 
     def __init__(self, module: nn.Module, tok: Tokenizer, s: Sampling, samples: Tensor, prompt_ids: Tensor,
-                 prompt_mask: Tensor, out: tuple[Tensor, Tensor, Tensor]) -> None:
+                 prompt_mask: Tensor, out: tuple[Tensor, Tensor, Tensor], keys: Tensor) -> None:
         self.module, self.s = module, s
         self.pad, self.eos = tok.pad_id, tok.eos_id
+        self.sampler = Sampler(s.temperature, s.top_p, s.min_tokens, self.eos)
         self.samples, self.prompt_ids, self.prompt_mask = samples, prompt_ids, prompt_mask  # per local slot
         self.out_ids, self.out_lp, self.out_mask = out  # (S, max_tokens) per local slot
-        self.segments: list[_Segment] = []
+        self.keys = keys  # (S, 2) per local slot: its random-stream key
         self.ours = True
         self.cache: object = None
         self.logits: Tensor | None = None  # (R, V) scores of the next token, None before the first forward
-        self.rows = self.seg = self.vpos = self.pos = self.pending = self.t_row = torch.empty(0, dtype=torch.long)
+        self.rows = self.pos = self.pending = self.t_row = torch.empty(0, dtype=torch.long)
         self.done = torch.empty(0, dtype=torch.bool)
         self.attn = torch.empty(0, 0, dtype=torch.long)
         self.length = 0
-        self.aligned = True  # one segment whose draw rows are exactly the physical rows, in order
 
-    # -- sampling ------------------------------------------------------------------------------------
     def sample_step(self) -> list[int]:
         """Sample every live row's next token; returns the local slots that finished at this step."""
         assert self.logits is not None
-        tok = torch.full_like(self.rows, self.pad)
-        lp = torch.zeros(self.rows.shape, dtype=torch.float32, device=self.rows.device)
-        for i, seg in enumerate(self.segments):
-            if seg.ended:
-                continue
-            phys = None if self.aligned else (self.seg == i).nonzero().squeeze(1)
-            logits = self.logits if phys is None else self.logits[phys]
-            seg_tok, seg_lp = self._sample(logits, seg, None if phys is None else self.vpos[phys])
-            if phys is None:
-                tok, lp = seg_tok, seg_lp
-            else:
-                tok[phys], lp[phys] = seg_tok, seg_lp
+        tok, lp = self.sampler(self.logits, self.t_row, self.keys[self.rows])
         was_done = self.done
         tok = tok.masked_fill(was_done, self.pad)
         # Finished rows keep the buffers' initial pad / 0 (and may be past max_tokens in a resumed batch).
@@ -152,46 +122,16 @@ class _Decoder:
         self.out_ids[slots, steps] = tok[live]
         self.out_lp[slots, steps] = lp[live]
         self.out_mask[slots, steps] = 1
-        done = was_done | (tok == self.eos)
-        compact: list[tuple[int, int]] = []
-        for i, seg in enumerate(self.segments):
-            if seg.ended:
-                continue
-            mine = self.seg == i
-            remaining = int((mine & ~done).sum())
-            if remaining == 0 or seg.t == self.s.max_tokens - 1:
-                seg.ended = True
-                done = done | mine  # rows still going at max_tokens finish by length
-            elif self.ours and remaining <= seg.vsize // 2:
-                compact.append((i, remaining))
+        # Rows still going at max_tokens finish by length.
+        done = was_done | (tok == self.eos) | (self.t_row >= self.s.max_tokens - 1)
         finished = self.rows[(done & ~was_done).nonzero().squeeze(1)].tolist()
         self.done, self.pending = done, tok
-        for i, remaining in compact:
-            self._compact_segment(i, remaining)
         return finished
 
-    def _sample(self, logits: Tensor, seg: _Segment, vpos: Tensor | None) -> tuple[Tensor, Tensor]:
-        """`generate`'s sampler for one segment: same ops, noise drawn as (vsize, V) and picked by `vpos`."""
-        s = self.s
-        sampler = Sampler(s.temperature, s.top_p, s.min_tokens, self.eos, seg.generator())
-        return sampler(logits, seg.t, draw_rows=seg.vsize, pick=vpos)
-
-    def _compact_segment(self, i: int, remaining: int) -> None:
-        """The segment's own loop drops its finished rows now: later draws have `remaining` rows."""
-        self.segments[i].vsize = remaining
-        if self.aligned:  # the physical batch is that loop's batch: drop the rows for real, as `generate` does
-            self._keep(~self.done)
-            self.vpos = torch.arange(self.rows.shape[0], device=self.rows.device)
-            return
-        # Physical order within a segment is its draw order, so a live row's new draw row is its rank.
-        alive = (self.seg == i) & ~self.done
-        order = torch.cumsum(alive.long(), 0) - 1
-        self.vpos = torch.where(alive, order, torch.where(self.seg == i, 0, self.vpos))
-
-    # -- forward -------------------------------------------------------------------------------------
     def advance(self) -> None:
-        """Feed the pending tokens: one decode step for every physical row."""
-        if not self.aligned and self.ours and int((~self.done).sum()) <= self.done.shape[0] // 2:
+        """Feed the pending tokens: one decode step for every physical row. Finished rows would still cost a
+        forward each; once at most half the rows are live they are dropped (amortised: halves each time)."""
+        if self.ours and int((~self.done).sum()) <= self.done.shape[0] // 2:
             self._keep(~self.done)
         self.length += 1
         with torch.inference_mode():
@@ -200,14 +140,12 @@ class _Decoder:
         self.logits = out.logits[:, -1].float()
         self.pos = self.pos + 1
         self.t_row = self.t_row + 1
-        for seg in self.segments:
-            seg.t += 1
 
     def _keep(self, keep_mask: Tensor) -> None:
         keep = keep_mask.nonzero().squeeze(1)
         with torch.inference_mode():
             self.cache.batch_select_indices(keep)  # type: ignore[attr-defined]
-        for name in ("rows", "seg", "vpos", "pos", "pending", "t_row", "done", "attn"):
+        for name in ("rows", "pos", "pending", "t_row", "done", "attn"):
             setattr(self, name, getattr(self, name)[keep])
         if self.logits is not None:
             self.logits = self.logits[keep]
@@ -234,26 +172,19 @@ class _Decoder:
         slots = self.rows[live]
         layers = self.cache.layers  # type: ignore[attr-defined]
         kv = [kv_rows(layer, live) for layer in layers]
-        used = sorted(set(self.seg[live].tolist()))
-        remap = {old: new for new, old in enumerate(used)}
-        segs = [self.segments[i] for i in used]
-        for seg in segs:
-            gen = seg.generator()
-            seg.gen_state = gen.get_state() if gen is not None else None
-            seg.gen = None
-        vpos = self.vpos[live] if not self.aligned else torch.arange(len(self.rows))[live]
         return Tail(self.samples[slots], self.prompt_ids[slots], self.prompt_mask[slots], self.out_ids[slots],
                     self.out_lp[slots], self.out_mask[slots], kv, self.attn[live, : self.length],
-                    self.pos[live], self.pending[live], torch.tensor([remap[int(i)] for i in self.seg[live]]),
-                    vpos, segs)
+                    self.pos[live], self.pending[live], self.keys[slots], self.t_row[live])
 
 
 def generate_stream(module: nn.Module, tokenizer: Tokenizer, prompts: Sequence[Sequence[int]], *, n: int,
-                    sampling: Sampling, generator: torch.Generator | None, chunk: int, share_prefix: bool = True,
-                    first_sample: int = 0, control: StreamControl | None = None, flush: int = 0,
-                    partial: float = 0.0, prefixes: Prefixes | None = None,
+                    sampling: Sampling, chunk: int, seed: int | None = None,
+                    prompt_slots: Sequence[int] | None = None, generator: torch.Generator | None = None,
+                    share_prefix: bool = True, first_sample: int = 0, control: StreamControl | None = None,
+                    flush: int = 0, partial: float = 0.0, prefixes: Prefixes | None = None,
                     device: str | torch.device = "cpu") -> Iterator[GenChunk | Tail]:
-    """`generate(...)` as a stream (`prefixes` as there): finished samples in chunks of about `chunk` (and,
+    """`generate(...)` as a stream (`seed`, `prompt_slots`, `generator` and `prefixes` as there; `first_sample`:
+    the rollout row number of this stream's first row): finished samples in chunks of about `chunk` (and,
     with `flush`, whatever finished once `flush` decode steps passed since the last hand-over), or a `Tail` when
     exported. With `partial` (a fraction of the rows), unfinished rows' responses so far go out every `flush`
     steps once at most that fraction is still decoding."""
@@ -267,27 +198,26 @@ def generate_stream(module: nn.Module, tokenizer: Tokenizer, prompts: Sequence[S
            torch.zeros((rows, s.max_tokens), dtype=torch.float32, device=dev),
            torch.zeros((rows, s.max_tokens), dtype=torch.long, device=dev))
     full_mask = mask.repeat_interleave(n, dim=0)  # (N, P)
+    keys = row_keys(sampling_seed(seed, generator), slots_of(prompt_slots, batch), n, dev)  # (N, 2)
     dec = _Decoder(module, tokenizer, s, torch.arange(rows, device=dev) + first_sample,
-                   ids.repeat_interleave(n, dim=0), full_mask, out)
+                   ids.repeat_interleave(n, dim=0), full_mask, out, keys)
     with torch.inference_mode():
         pre = prefill_prompts(module, prompts, ids, mask, n=n, share=share_prefix and n > 1, extra=s.max_tokens,
                               prefixes=prefixes, pad=tokenizer.pad_id)
     dec.cache, dec.ours, dec.logits = pre.cache, pre.ours, pre.logits
     dec.rows = torch.arange(rows, device=dev)
-    dec.seg = dec.t_row = torch.zeros(rows, dtype=torch.long, device=dev)
-    dec.vpos = torch.arange(rows, device=dev)
+    dec.t_row = torch.zeros(rows, dtype=torch.long, device=dev)
     dec.done = torch.zeros(rows, dtype=torch.bool, device=dev)
     dec.attn = torch.cat([pre.mask, torch.ones_like(out[2])], dim=1)  # (N, W + max_tokens)
     dec.pos = positions_from_mask(full_mask)[:, -1] + 1
     dec.length = pre.mask.shape[1]
-    dec.segments = [_Segment(None, 0, rows, gen=generator)]
     return _drive(dec, chunk, control, flush, math.floor(partial * rows) if flush > 0 else 0)
 
 
 def resume_stream(module: nn.Module, tokenizer: Tokenizer, tails: Sequence[Tail], *, sampling: Sampling,
                   chunk: int, control: StreamControl | None = None, flush: int = 0, partial: float = 0.0,
                   device: str | torch.device = "cpu") -> Iterator[GenChunk | Tail]:
-    """Continue the rows of `tails` (from any ranks) as one batch; each tail keeps its own sampling draws
+    """Continue the rows of `tails` (from any ranks) as one batch; each row keeps its own random stream
     (already the tail: with `partial` > 0 its unfinished rows go out every `flush` steps)."""
     s = sampling
     dev = torch.device(device)
@@ -303,7 +233,7 @@ def resume_stream(module: nn.Module, tokenizer: Tokenizer, tails: Sequence[Tail]
                    cat([left(t.prompt_ids, prompt_width, tokenizer.pad_id) for t in tails]).to(dev),
                    cat([left(t.prompt_mask, prompt_width) for t in tails]).to(dev),
                    (cat([t.out_ids for t in tails]).to(dev), cat([t.out_lp for t in tails]).to(dev),
-                    cat([t.out_mask for t in tails]).to(dev)))
+                    cat([t.out_mask for t in tails]).to(dev)), cat([t.keys for t in tails]).to(dev))
     rows = dec.samples.shape[0]
     dec.cache, dec.ours = make_cache(module, width + s.max_tokens)
     with torch.inference_mode():
@@ -311,21 +241,14 @@ def resume_stream(module: nn.Module, tokenizer: Tokenizer, tails: Sequence[Tail]
             keys = cat([left(t.kv[i][0].transpose(1, 2), width).transpose(1, 2) for t in tails]).to(dev)
             values = cat([left(t.kv[i][1].transpose(1, 2), width).transpose(1, 2) for t in tails]).to(dev)
             layer.update(keys, values)
-    offsets = [0]
-    for t in tails:
-        offsets.append(offsets[-1] + len(t.segments))
-    dec.segments = [seg for t in tails for seg in t.segments]
     dec.rows = torch.arange(rows, device=dev)
-    dec.seg = cat([t.seg + offsets[i] for i, t in enumerate(tails)]).to(dev)
-    dec.vpos = cat([t.vpos for t in tails]).to(dev)
-    dec.t_row = torch.tensor([dec.segments[int(i)].t for i in dec.seg], dtype=torch.long, device=dev)
+    dec.t_row = cat([t.steps for t in tails]).to(dev)
     dec.pos = cat([t.pos for t in tails]).to(dev)
     dec.pending = cat([t.pending for t in tails]).to(dev)
     dec.done = torch.zeros(rows, dtype=torch.bool, device=dev)
     past = cat([left(t.mask, width) for t in tails]).to(dev)
     dec.attn = cat([past, torch.ones((rows, s.max_tokens), dtype=torch.long, device=dev)], dim=1)
     dec.length = width
-    dec.aligned = False
     return _drive(dec, chunk, control, flush, rows if partial > 0 and flush > 0 else 0)
 
 
@@ -343,7 +266,7 @@ def _drive(dec: _Decoder, chunk: int, control: StreamControl | None, flush: int 
         ready.extend(dec.sample_step())
         since += 1
         grown += 1
-        if all(seg.ended for seg in dec.segments):
+        if dec.remaining == 0:
             if ready:
                 yield dec.take(ready)
             return

@@ -4,8 +4,11 @@
 logits-processor machinery costs more than a tiny model's forward). Speed comes from a preallocated KV cache
 (no per-step `torch.cat` of the whole cache), a preallocated attention mask that is only sliced, shared-prefix
 prefill (B prompts prefilled once, cache replicated n times) and dropping finished rows from the batch once
-half of them are done. Sampling draws one (rows, V) noise tensor per step from `generator`, so the same seed
-gives the same samples whether or not the prefix is shared.
+half of them are done. Each row samples from its own counter-based stream (flowrl.engines.sampling: keyed by the
+seed, its prompt's slot in the step and its sample index), by inverse CDF over its filtered distribution, so a
+row's samples do not depend on the batch it decodes in: sharing the prefix or not, the batch split across ranks
+or instances in any order, finished rows dropped or a tail migrated, the same seed gives the same samples (to
+the float rounding of the logits, which a different batch may move by ~1e-7).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from flowrl.engines.forward import (
 )
 from flowrl.engines.prefill import Prefixes, expand, left_pad, match, supports_levels
 from flowrl.engines.prefill import positions as level_positions
+from flowrl.engines.sampling import Sampler, row_keys, sampling_seed, slots_of
 from flowrl.models.attention import SharedPrefix, reads_shared_prefix
 from flowrl.models.build import cache_kw
 from flowrl.models.tokenizer import Tokenizer
@@ -65,14 +69,18 @@ def generate(
     min_tokens: int = 0,
     temperature: float = 1.0,
     top_p: float = 1.0,
+    seed: int | None = None,
+    prompt_slots: Sequence[int] | None = None,
     generator: torch.Generator | None = None,
     share_prefix: bool = True,
     prefixes: Prefixes | None = None,
     device: str | torch.device = "cpu",
 ) -> GenOutput:
-    """Sample `n` responses per prompt; temperature 0 is greedy, EOS is banned before `min_tokens`. With
-    `prefixes` (computed here or elsewhere, flowrl.engines.prefill), a prompt opening with one of them
-    prefills only its rest (same samples, to float rounding)."""
+    """Sample `n` responses per prompt; temperature 0 is greedy, EOS is banned before `min_tokens`. Sample j of
+    prompt i draws from the stream of (`seed`, `prompt_slots[i]`, j) (slots default to 0..B-1: give each prompt's
+    place in the whole batch when this is a part of it); `generator`, where a caller hands one instead of a
+    seed, gives its `initial_seed()`. With `prefixes` (computed here or elsewhere, flowrl.engines.prefill), a
+    prompt opening with one of them prefills only its rest (same samples, to float rounding)."""
     check_sampling_args(prompts, n, max_tokens, min_tokens, temperature, top_p)
     pad, eos = tokenizer.pad_id, tokenizer.eos_id
     dev = torch.device(device)
@@ -80,7 +88,8 @@ def generate(
     batch = ids.shape[0]
     rows = batch * n
     full_prompt_mask = mask.repeat_interleave(n, dim=0)  # (N, P)
-    sampler = Sampler(temperature, top_p, min_tokens, eos, generator)
+    sampler = Sampler(temperature, top_p, min_tokens, eos)
+    keys = row_keys(sampling_seed(seed, generator), slots_of(prompt_slots, batch), n, dev)  # (N, 2)
 
     out_ids = torch.full((rows, max_tokens), pad, dtype=torch.long, device=dev)
     out_mask = torch.zeros((rows, max_tokens), dtype=torch.long, device=dev)
@@ -98,7 +107,7 @@ def generate(
         # Generated slots always attend (finished rows are never read), so the mask is built once and sliced.
         attn = torch.cat([pre.mask, torch.ones_like(out_mask)], dim=1)  # (N, W + max_tokens)
         for t in range(max_tokens):
-            tok, lp = sampler(logits, t)  # (rows_now,)
+            tok, lp = sampler(logits, t, keys)  # (rows_now,)
             alive = ~done
             tok = tok.masked_fill(done, pad)
             target = slice(None) if live is None else live
@@ -114,7 +123,7 @@ def generate(
                 keep = (~done).nonzero().squeeze(1)
                 cache.batch_select_indices(keep)
                 live = keep if live is None else live[keep]
-                done, tok, attn, next_pos = done[keep], tok[keep], attn[keep], next_pos[keep]
+                done, tok, attn, next_pos, keys = done[keep], tok[keep], attn[keep], next_pos[keep], keys[keep]
             out = module(input_ids=tok[:, None], attention_mask=attn[:, : width + t + 1],
                          position_ids=next_pos + t, use_cache=True, **kv)  # fmt: skip
             logits = out.logits[:, -1].float()  # (rows_now, V)
@@ -175,54 +184,6 @@ def prefill_prompts(module: nn.Module, prompts: Sequence[Sequence[int]], ids: Te
         logits, cache_mask = logits.repeat_interleave(n, dim=0), cache_mask.repeat_interleave(n, dim=0)
         cache.batch_repeat_interleave(n)
     return Prefilled(cache, ours, logits, cache_mask)
-
-
-class Sampler:
-    """Turns one step's (rows, V) logits into tokens and their log-probs."""
-
-    def __init__(
-        self, temperature: float, top_p: float, min_tokens: int, eos: int, generator: torch.Generator | None
-    ) -> None:
-        self.temperature = temperature
-        self.top_p = top_p
-        self.min_tokens = min_tokens
-        self.eos = eos
-        self.generator = generator
-
-    def __call__(self, logits: Tensor, step: int, draw_rows: int | None = None,
-                 pick: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """(tokens, their log-probs) for (rows, V) logits. The noise is drawn as (`draw_rows`, V) and its rows
-        `pick`ed when given (the streaming engine keeps each segment's draws the shape `generate` draws)."""
-        greedy = self.temperature <= 0
-        scaled = logits if greedy else logits / self.temperature  # (rows, V)
-        # Reported log-probs ignore the EOS ban and top-p so they equal forward_logprobs at this temperature.
-        logprobs = torch.log_softmax(scaled, dim=-1)
-        if step < self.min_tokens:
-            scaled = scaled.clone() if scaled is logits else scaled
-            scaled[:, self.eos] = float("-inf")
-        if greedy:
-            tok = scaled.argmax(dim=-1)
-        else:
-            probs = torch.softmax(scaled, dim=-1)
-            if self.top_p < 1.0:
-                probs = _nucleus(probs, self.top_p)
-            # Exponential race: argmax(p / E), E = -log(U) ~ Exp(1), samples from p with one (rows, V) draw and no
-            # host sync. torch.rand + log is ~5x faster than Tensor.exponential_ on CPU; U < 1 keeps E > 0, and
-            # U == 0 gives E = inf, which just drops that token from this draw.
-            shape = probs.shape if draw_rows is None else (draw_rows, probs.shape[1])
-            noise = torch.rand(shape, generator=self.generator, device=probs.device).log_().neg_()
-            if pick is not None:
-                noise = noise[pick]
-            tok = (probs / noise).argmax(dim=-1)
-        return tok, logprobs.gather(-1, tok[:, None]).squeeze(-1)
-
-
-def _nucleus(probs: Tensor, top_p: float) -> Tensor:
-    """Zero every token outside the smallest set whose mass reaches `top_p` (the top token always stays)."""
-    sorted_probs, order = probs.sort(dim=-1, descending=True)  # (rows, V)
-    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    sorted_probs = sorted_probs.masked_fill(mass_before >= top_p, 0.0)
-    return torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
 
 
 class _BufferedLayer(DynamicLayer):

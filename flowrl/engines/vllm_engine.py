@@ -10,7 +10,10 @@ What differs from the torch engine, by design of vLLM:
   like the torch engine, except that vLLM renormalises over the top-p nucleus and over the EOS-banned vocabulary
   during the first `min_tokens` steps (the torch engine reports the unrestricted tempered distribution). Training
   recomputes old log-probs with the torch module anyway, so these are diagnostics;
-- random streams differ: the same seed gives reproducible samples within vLLM, not the torch engine's samples.
+- random streams differ: each prompt's request is seeded from (seed, its slot in the step) by
+  `flowrl.engines.sampling.request_seed`, so a prompt's n samples do not depend on the batch it came in (any split
+  or order of prompts gives the same samples), but vLLM's sampler draws them, not the torch engine's streams.
+  (Not run here: vLLM needs a CUDA device; the seeds' derivation is tested without it.)
 
 After each policy update the worker pushes the new weights with `load_weights`: they go to vLLM's worker
 process(es) through `LLM.collective_rpc` into `WeightLoaderExtension` (vLLM's `worker_extension_cls` hook,
@@ -27,9 +30,10 @@ import torch
 from torch import Tensor
 
 from flowrl.engines.generation import GenOutput, check_sampling_args
+from flowrl.engines.sampling import request_seed, slots_of
 from flowrl.models.tokenizer import Tokenizer
 
-__all__ = ["INSTALL_HINT", "VLLMGenerator", "WeightLoaderExtension", "import_vllm", "to_gen_output"]
+__all__ = ["INSTALL_HINT", "VLLMGenerator", "WeightLoaderExtension", "import_vllm", "request_seeds", "to_gen_output"]
 
 INSTALL_HINT = "pip install 'flowrl[vllm]'"
 _CHUNK_BYTES = 512 * 2**20  # weights per collective_rpc message: bounds the extra host memory of one sync
@@ -91,18 +95,20 @@ class VLLMGenerator:
         temperature: float = 1.0,
         top_p: float = 1.0,
         seed: int | None = None,
+        prompt_slots: Sequence[int] | None = None,
     ) -> GenOutput:
-        """Sample `n` responses per prompt (temperature 0 is greedy); rows are prompt 0's n samples, then 1's..."""
+        """Sample `n` responses per prompt (temperature 0 is greedy); rows are prompt 0's n samples, then 1's...
+        Prompt i's request is seeded from (`seed`, `prompt_slots[i]`) (slots default to 0..B-1)."""
         check_sampling_args(prompts, n, max_tokens, min_tokens, temperature, top_p)
         eos = self.tokenizer.eos_id
         # One SamplingParams per prompt so equal prompts in a batch still draw different samples.
+        seeds = request_seeds(seed, prompt_slots, len(prompts))
         params = [
             self._sampling_params(
                 n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens, min_tokens=min_tokens,
-                logprobs=0, seed=None if seed is None else seed + i, detokenize=False,
-                stop_token_ids=[eos] if eos is not None else None,
+                logprobs=0, seed=s, detokenize=False, stop_token_ids=[eos] if eos is not None else None,
             )
-            for i in range(len(prompts))
+            for s in seeds
         ]  # fmt: skip
         requests = [{"prompt_token_ids": [int(t) for t in p]} for p in prompts]
         outputs = self.llm.generate(requests, params, use_tqdm=False)
@@ -124,6 +130,13 @@ class VLLMGenerator:
         if names:
             self.llm.collective_rpc("flowrl_load_weights", args=(names, tensors))
         self.llm.reset_prefix_cache()
+
+
+def request_seeds(seed: int | None, prompt_slots: Sequence[int] | None, batch: int) -> list[int | None]:
+    """Each prompt's request seed: a function of (seed, its slot) only (None without a seed: vLLM's own)."""
+    if seed is None:
+        return [None] * batch
+    return [request_seed(seed, s) for s in slots_of(prompt_slots, batch)]
 
 
 def to_gen_output(

@@ -194,6 +194,7 @@ def _prompt_batch(loader: PromptLoader) -> Batch:
         "prompt": [str(row.get(loader.prompt_key, "")) for _, row in picked],
         "row": [row for _, row in picked],
         "prompt_id": [i for i, _ in picked],
+        "prompt_slot": list(range(len(picked))),  # what its samples' random streams are keyed by (worker.py)
     })
 
 

@@ -5,9 +5,11 @@ Pure functions over `Batch`es (no backend), tested alone.
 
 The mode is `Node.dispatch`, chosen by the compiler and printed by `flowrl compile`:
 - "split": the data argument (the first `Batch`, or list of `Batch`es as in `update_fused`) is cut into `world`
-  contiguous data-parallel shards, one per rank; results are concatenated in rank order. Generation gives each
-  rank its own seed (derived from the step seed and the rank), so 2-rank generation is not sample-identical to
-  1 rank; an update is (the loss uses the global mini-batch's denominators, gradients are all-reduced).
+  contiguous data-parallel shards, one per rank; results are concatenated in rank order. Generation on 2 ranks
+  is sample-identical to 1 rank (each sample's draws are keyed by its prompt's slot in the step and its index,
+  flowrl.engines.sampling, not by its rank); so is an update in one mini-batch (the loss uses the global
+  mini-batch's denominators, gradients are all-reduced). With several mini-batches or epochs, each rank
+  shuffles its own shard, so its mini-batches are not one rank's.
 - "broadcast": every rank gets the whole input; rank 0's result is returned (an update's metrics are always
   reduced over the ranks: every rank holds a share of the loss).
 - "rank0": only rank 0 runs.
@@ -58,9 +60,9 @@ class Plan:
 
 
 def rank_seed(step_seed: int, rank: int) -> int:
-    """Rank 0 keeps the step seed (so one rank samples exactly as the local backend); others get their own.
-    (The fused stage's streaming ranks derive theirs the same way, so fused and unfused sample alike.)"""
-    return step_seed if rank == 0 else (step_seed * 1_000_003 + rank * 7_919) % (2**31)
+    """Every rank keeps the step seed: a sample's draws are keyed by its prompt's slot and its index
+    (flowrl.engines.sampling), so a split samples as one rank does. (The fused stage's streaming ranks too.)"""
+    return step_seed
 
 
 def plan(method: str, args: Sequence[Any], kwargs: Mapping[str, Any], mode: str, world: int, *,

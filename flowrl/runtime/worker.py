@@ -95,6 +95,13 @@ def init_model(decl: ModelDecl, decls: Mapping[str, ModelDecl], seed: int) -> Lo
     return origin
 
 
+def prompt_slots(prompts: Batch, first: int = 0) -> list[int]:
+    """Each prompt's slot in its step's whole batch, which its samples' random streams are keyed by (so a split
+    or reordered batch samples alike): the prompts' "prompt_slot" (the controller numbers a step's prompts), else
+    their places here counted from `first`."""
+    return [int(s) for s in prompts.meta.get("prompt_slot", range(first, first + prompts.size))]
+
+
 class ModelWorker:
     """Holds the models named in `models` (colocated on this rank) and their optimizers."""
 
@@ -139,16 +146,16 @@ class ModelWorker:
         tok = loaded.tokenizer
         a = GenerateAttrs.of(attrs)
         ids = self._prompt_ids(model, prompts, a.max_tokens)
-        gen = torch.Generator(device="cpu").manual_seed(step_seed)
+        slots = prompt_slots(prompts)
         if model in self.generators:  # engine = "vllm"
             out = self.generators[model].generate(
                 ids, n=a.n, max_tokens=a.max_tokens, min_tokens=a.min_tokens, temperature=a.temperature,
-                top_p=a.top_p, seed=step_seed)
+                top_p=a.top_p, seed=step_seed, prompt_slots=slots)
         else:
             out = generate(
                 loaded.module, tok, ids, n=a.n, max_tokens=a.max_tokens, min_tokens=a.min_tokens,
-                temperature=a.temperature, top_p=a.top_p, generator=gen, share_prefix=a.share_prefix,
-                prefixes=prefixes, device=str(self.device),
+                temperature=a.temperature, top_p=a.top_p, seed=step_seed, prompt_slots=slots,
+                share_prefix=a.share_prefix, prefixes=prefixes, device=str(self.device),
             )
         index = out.prompt_index.cpu()
         responses = [tok.decode([int(t) for t, m in zip(r, mk, strict=True) if m]) for r, mk in
@@ -190,7 +197,7 @@ class ModelWorker:
         loaded, a = self.models[model], GenerateAttrs.of(attrs)
         ids = self._prompt_ids(model, prompts, a.max_tokens)
         stream = generate_stream(loaded.module, loaded.tokenizer, ids, n=a.n, sampling=sampling_of(a),
-                                 generator=torch.Generator(device="cpu").manual_seed(step_seed),
+                                 seed=step_seed, prompt_slots=prompt_slots(prompts, first_prompt),
                                  chunk=chunk_of(a), share_prefix=a.share_prefix, first_sample=first_prompt * a.n,
                                  control=control, flush=a.flush_steps, partial=a.partial_below,
                                  prefixes=prefixes, device=str(self.device))
