@@ -4,7 +4,7 @@ Three recorded steps of seven prompts, two samples each (prompt lengths, respons
 seconds per decode step at each instance batch; the first step's instances cold). Each step both sides decide
 the generation's instance count, each instance's prompts, the migration sink and the pre-warm plan, then
 learn from what the recorded step measured on the instances they chose. The backend's side is its own code
-(backends/serverless: `Scaler`, `ServerlessGroup._role`, `Prewarmer`), without Ray; the simulator's is
+(backends/serverless: `Scaler.shards`, `Scaler.sink`, `ServerlessGroup._role`, `Prewarmer`), without Ray; the simulator's is
 `backends/sim/rlhfless.py`.
 """
 
@@ -69,7 +69,8 @@ def backend_step(group: ServerlessGroup, step: int) -> dict[str, object]:
     for size in shards:
         runs.append(positions[at:at + size])
         at += size
-    roles = [group._role(rank, len(runs), "box") for rank in range(len(runs))]
+    sink = group.scaler.sink(args[1].split(world))
+    roles = [group._role(rank, len(runs), "box", sink) for rank in range(len(runs))]
     sinks = [rank for rank, r in enumerate(roles) if r is not None and r.sources]
     decided = {"instances": len(runs), "runs": runs, "sink": sinks[0] if sinks else None,
                "choice": None if choice is None else (choice.chosen.instances, choice.chosen.time_s,
