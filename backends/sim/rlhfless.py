@@ -82,6 +82,8 @@ class Pool:
         work, when each started holding its device, (pre-warmed instances the call did not take, when they
         started): they are held to the step's end)."""
         plan = self.plan(margin_s, prewarm)
+        if plan is not None and plan[0] > at:  # the call came first: the timer is cancelled, nothing pre-warmed
+            plan = None
         ready, held_from, cold = [], [], []
         for i in range(n):
             cost = load_s + (cold_s if i >= self.warm else 0.0)

@@ -3,6 +3,7 @@ the deduplicated prefill, the migration sink's wait and history-based pre-warmin
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from pathlib import Path
 
@@ -160,3 +161,31 @@ def test_rlhfless_plans_the_deduplicated_prefill_by_the_backends_rule():
     assert parts == [PrefixPart(compute=6, patience_s=pytest.approx(0.006))] * 4
     off = rlhfless.RLHFless(cost, work(), policies.Options(gen_tp=1, tau=1.0, dedup="off"))
     assert "prefill_handover" not in off.step(step).notes
+
+
+def test_simulate_takes_a_length_distribution_and_names_a_bad_one(capsys: pytest.CaptureFixture[str]):
+    from flowrl.cli import main
+
+    flow = str(ROOT / "examples/longtail_grpo.flow")
+    args = ["simulate", flow, "--cluster", "l40s:1", "--model", "actor=qwen2.5-0.5b", "--steps", "3", "--json",
+            "--policy", "rlhfless"]
+    assert main([*args, "--lengths", "uniform:8:32", "--dedup", "handover"]) == 0
+    summary = json.loads(capsys.readouterr().out)[0]
+    assert summary["policy"] == "rlhfless" and summary["notes"]["prefill_handover"] >= 0.0  # the data's prefix
+    assert main([*args, "--lengths", "zipf:2"]) != 0
+    assert "--lengths 'zipf:2': unknown distribution 'zipf'" in capsys.readouterr().err
+
+
+def test_a_call_that_comes_before_the_prewarm_time_starts_its_own_instances():
+    # history: the call came 5 s into the step, a start takes 1 s: pre-warm 3.95 s in (margin 0.05 s)
+    def pool() -> rlhfless.Pool:
+        return rlhfless.Pool(offsets=[5.0], ready_s=1.0, needed=2, warm=2)
+
+    # this step the call comes at 1 s, before the timer: the backend cancels it, the call starts the instances
+    ready, held_from, unused = pool().start(1.0, 2, 0.1, 1.0, 0.05, True)
+    assert (ready, held_from, unused) == ([pytest.approx(1.1)] * 2, [1.0, 1.0], (0, 0.0))
+    # at 4 s: started at 3.95 s (held from then), ready at 4.05 s; a third pre-warmed one the call did not take
+    p = rlhfless.Pool(offsets=[5.0], ready_s=1.0, needed=3, warm=3)
+    ready, held_from, unused = p.start(4.0, 2, 0.1, 1.0, 0.05, True)
+    assert ready == [pytest.approx(4.05)] * 2 and held_from == [pytest.approx(3.95)] * 2
+    assert unused == (1, pytest.approx(3.95))
