@@ -22,6 +22,8 @@ def ray_session() -> Iterator[Any]:
     """A local Ray instance shared by every ray test; the backend reuses it instead of starting its own."""
     import ray  # the ray extra is part of the test set-up: a missing Ray fails, it is not skipped
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    # as flowrl's Session does: the serverless cost report reads each step's task events as the step ends
+    os.environ.setdefault("RAY_task_events_report_interval_ms", "20")
     started = not ray.is_initialized()
     if started:
         ray.init(num_cpus=4, resources={"device_slot": 4}, include_dashboard=False, log_to_driver=False,
