@@ -5,7 +5,8 @@ Per step, as the backend's pools take them:
 - generation: the prompts' lengths predicted from their history (`predictions`), the instance count, the
   length-ranked runs and the migration sink (`plan_generation`: all instances until a generation was measured,
   then the cost-weighted choice on the decode curve *measured* from the simulated instances, `learn_decode`, and
-  their start overhead); sources cut at `tau` (`should_migrate`) and hand their tails to the sink, which waits
+  their start overhead; an instance decodes at most its KV-cache slots at once, `slots`, which the backend's
+  torch engine does not limit); sources cut at `tau` (`should_migrate`) and hand their tails to the sink, which waits
   for every source's word;
 - deduplicated prefill, where the workload says how long the prompts' shared prefix is (`PromptWork.prefix_len`):
   the owner of each prefix computes it once, the others take it or compute it themselves as the measured rates
@@ -43,6 +44,7 @@ from flowrl.elastic import (
     LengthPredictor,
     PrefillRates,
     decide_hand_over,
+    decode_steps,
     learn_decode,
     learn_start,
     plan_generation,
@@ -144,7 +146,7 @@ class RLHFless(Serverful):
         """The step's generation plan from what the pool has learned (the backend's `Scaler.shards`)."""
         predicted, profiles = predictions(self.predictor, [w.prompt_id for w in step], self.work.samples)
         return plan_generation(predicted, self.work.samples, self.instances, self.decode, self.overhead_s,
-                               self.opts.cost_weight, self.opts.tau, profiles)
+                               self.opts.cost_weight, self.opts.tau, profiles, slots=self.slots)
 
     def learn(self, step: Step, instances: list[tuple[int, int, float, float, bool]]) -> None:
         """What a finished generation teaches (the backend's `Scaler.measure` and `learn_and_restore`): each
@@ -217,10 +219,11 @@ class RLHFless(Serverful):
         on: dict[int, list[Seq]] = {i.iid: [] for i in res.instances}
         for s in seqs:
             on[s.done_on].append(s)
-        self.learn(step, [(len(done), max(s.length for s in done), (i.released or i.start) - i.start,
-                           i.start - f, i.iid >= len(ready) - colds) for i, f in zip(res.instances, gen_from,
-                                                                                     strict=True)
-                          if (done := on[i.iid])])
+        # per instance, as the backend measures it: the samples decoded at once (at most its slots), its decode
+        # steps, its run time, its time beyond the run, whether it was cold
+        self.learn(step, [(min(len(done), self.slots), decode_steps([s.length for s in done], self.slots),
+                           (i.released or i.start) - i.start, i.start - f, i.iid >= len(ready) - colds)
+                          for i, f in zip(res.instances, gen_from, strict=True) if (done := on[i.iid])])
         if prefixes is not None:
             self.rates.learn(res.prefill)
         t0 = min(ready)

@@ -35,10 +35,10 @@ from flowrl.elastic.prefill import (
            share_prefixes,
 )
 from flowrl.elastic.prewarm import learn_start, prewarm_delay, prewarm_plan
-from flowrl.elastic.scale import Candidate, DecodeCurve, ScaleChoice, choose_instances, estimate
+from flowrl.elastic.scale import Candidate, DecodeCurve, ScaleChoice, choose_instances, decode_steps, estimate
 
 __all__ = ["Candidate", "DecodeCurve", "GenerationPlan", "HandOver", "LengthPredictor", "PrefillRates", "PrefixShare",
-           "ScaleChoice", "choose_instances", "decide_hand_over", "estimate", "hand_over", "learn_decode",
+           "ScaleChoice", "choose_instances", "decide_hand_over", "decode_steps", "estimate", "hand_over", "learn_decode",
            "learn_start", "migration_sink", "migration_target", "plan_generation", "predictions", "prewarm_delay",
            "prewarm_plan", "ranked_runs", "share_prefixes", "should_migrate", "spearman", "split_runs",
            "start_overhead"]

@@ -56,15 +56,16 @@ def migration_sink(work: Sequence[float], rows: Sequence[int]) -> int | None:
 
 def plan_generation(predicted: Sequence[float], samples: int, world: int, decode: Mapping[int, float],
                     overhead_s: float, weight: float, tau: float, profiles: Sequence[Sequence[float]] | None = None,
-                    *, assign: bool = True, scale: bool = True) -> GenerationPlan:
-    """The generation's instance count, runs and sink (see the module docstring)."""
+                    *, assign: bool = True, scale: bool = True, slots: int | None = None) -> GenerationPlan:
+    """The generation's instance count, runs and sink (see the module docstring); `slots`: the samples an
+    instance decodes at once (None: all it holds, flowrl's torch engine)."""
     if world < 1:
         raise ValueError(f"a pool needs at least one instance, got {world}")
     choice = None
     n = world
     if world > 1 and decode and scale:
         choice = choose_instances(predicted, samples, range(1, world + 1), DecodeCurve(decode), weight,
-                                  start_s=overhead_s, profiles=profiles)
+                                  start_s=overhead_s, profiles=profiles, slots=slots)
         n = choice.chosen.instances
     ranked = world > 1 and assign
     runs = ranked_runs(predicted, n) if ranked else split_runs(len(predicted), n)
@@ -75,9 +76,10 @@ def plan_generation(predicted: Sequence[float], samples: int, world: int, decode
 
 
 def learn_decode(decode: Mapping[int, float], measured: Iterable[tuple[int, int, float]]) -> dict[int, float]:
-    """The decode curve's points after a generation: `measured` has, per instance, (samples it returned, its
-    longest response in tokens, its run seconds); each gives run / max(1, longest) seconds a step at that
-    batch, averaged evenly with the point's old value."""
+    """The decode curve's points after a generation: `measured` has, per instance, (samples it decoded at once,
+    its decode steps: its longest response in tokens where all ran together, `decode_steps` under a slot limit,
+    its run seconds); each gives run / max(1, steps) seconds a step at that batch, averaged evenly with the
+    point's old value."""
     out = dict(decode)
     for size, steps, run_s in measured:
         if size < 1:

@@ -256,3 +256,20 @@ def test_the_hand_over_decision_and_its_patience() -> None:
     rates = PrefillRates()
     rates.learn([{"prefill_s": 0.006, "prefill_tokens": 6.0}, {"handover_s": 0.05, "handover_tokens": 6.0}])
     assert (rates.rate_s, rates.handover_s) == (pytest.approx(0.001), 0.05)
+
+
+def test_an_instance_with_slots_decodes_at_most_that_many_at_once() -> None:
+    from flowrl.elastic import decode_steps
+
+    curve = DecodeCurve({1: 1.0, 2: 1.5, 3: 2.0})
+    # slots 2: samples of 2 and 2 run together (2 steps at 1.5 s), then the 5 alone (5 steps at 1 s)
+    assert decode_seconds([2, 2, 5], curve, slots=2) == pytest.approx(8.0)
+    assert decode_steps([2, 2, 5], slots=2) == 7 and decode_steps([2, 2, 5]) == 5
+    assert decode_seconds([2, 2, 5], curve, slots=1) == pytest.approx(9.0)  # one after another
+    assert decode_seconds([2, 2, 5], curve, slots=3) == decode_seconds([2, 2, 5], curve)  # room for all
+    # the order they enter in matters: the 5 first shares its steps with both 2s (2 x 1.5 s, 2 x 1.5 s, 1 s)
+    assert decode_seconds([5, 2, 2], curve, slots=2) == pytest.approx(7.0)
+    # the choice sees it: one instance of 1 slot takes 3 samples in turn, three take them at once
+    flat = DecodeCurve({1: 1.0})
+    choice = choose_instances([4.0, 4.0, 4.0], 1, [1, 3], flat, weight=1.0, slots=1)
+    assert [(c.instances, c.time_s) for c in choice.candidates] == [(1, 12.0), (3, 4.0)]
