@@ -96,7 +96,7 @@ class ServerlessBackend:
         acquire = None
         if joined:  # a cluster may lack what a pool needs: fail within `acquire_timeout`, naming the pool
             acquire = Acquire(float(str(r.get("acquire_timeout", 60.0))), self.clock, pools)
-            acquire.lower_bounds({"CPU": 1.0, SLOT: 1.0})
+            acquire.lower_bounds(devices_for(cluster).asks())  # what one instance takes
         for wg in graph.worker_groups:
             decl = pools.get(wg.pool or "")
             upper = (decl.gpus.hi if isinstance(decl.gpus, Range) else int(decl.gpus)) if decl is not None else total
@@ -178,8 +178,13 @@ class ServerlessBackend:
         return out
 
     def metrics(self) -> dict[str, float]:
-        """Each pool's scaling decisions since the last call (`scale/GROUP/...`)."""
-        return {k: v for g in self.groups.values() for k, v in g.take_metrics().items()}
+        """Each pool's scaling decisions since the last call (`scale/GROUP/...`), and `cost/unmeasured_tasks`:
+        instance tasks whose task events had not come when their usage was read (charged by their own timers;
+        none where the driver reports its events every 20 ms), when there were any."""
+        out = {k: v for g in self.groups.values() for k, v in g.take_metrics().items()}
+        if self.unmeasured:
+            out["cost/unmeasured_tasks"], self.unmeasured = float(self.unmeasured), 0
+        return out
 
     def shutdown(self) -> None:
         """Release the waiting instances; once every task has returned, keep what ran after the last step's
