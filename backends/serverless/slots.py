@@ -115,8 +115,9 @@ class Acquire:
         if not need:
             return
         deadline = time.monotonic() + self.timeout_s
+        device = _device_of(asked)
         while True:
-            have = float(ray.cluster_resources().get(SLOT, 0.0))
+            have = float(ray.cluster_resources().get(device, 0.0)) / asked[device]  # instances it holds
             short = [p for p in pools if need.get(p.name, 0) > have]
             if not short or time.monotonic() >= deadline:
                 break
@@ -141,9 +142,15 @@ class Acquire:
         raise FlowError(_unmet(pool, want, asked, self.timeout_s, name))
 
 
+def _device_of(asked: Mapping[str, float]) -> str:
+    """The resource that stands for an instance's device in what it asks for: GPU, or the logical slot."""
+    return next((k for k in asked if k != "CPU"), SLOT)
+
+
 def _unmet(pool: PoolDecl | None, want: int, asked: Mapping[str, float], timeout_s: float,
            group: str = "") -> Diagnostic:
     name = pool.name if pool is not None else group
+    device = _device_of(asked)
     total, free = ray.cluster_resources(), ray.available_resources()
     each = ", ".join(f"{k}: {v:g}" for k, v in asked.items())
     line = None
@@ -152,7 +159,7 @@ def _unmet(pool: PoolDecl | None, want: int, asked: Mapping[str, float], timeout
         line = lines[pool.loc.line - 1] if 0 < pool.loc.line <= len(lines) else None
     return Diagnostic(
         f"pool `{name}` could not get {want} device slot(s) within {timeout_s:g}s (each instance asks for "
-        f"{{{each}}}); the Ray cluster has {total.get(SLOT, 0.0):g} `{SLOT}` ({free.get(SLOT, 0.0):g} free) and "
+        f"{{{each}}}); the Ray cluster has {total.get(device, 0.0):g} `{device}` ({free.get(device, 0.0):g} free) and "
         f"{total.get('CPU', 0.0):g} CPU ({free.get('CPU', 0.0):g} free)",
         pool.loc if pool is not None else None,
         hint=f"lower the pool's lower bound (`gpus = LO..HI`), add nodes with --resources '{{\"{SLOT}\": N}}', or "
