@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from flowrl.errors import FlowError
 from flowrl.ir.graph import DataDecl, ModelDecl, Node
 from flowrl.ir.signatures import TINY_SOURCES
 from flowrl.models.sources import (
@@ -93,10 +94,14 @@ class Flow:
     shown: Mapping[str, str]  # data name -> its file as the flow names it
     nodes: Sequence[Node]
     written: Mapping[tuple[str, str], tuple[Source, ast.Located]]
+    device: str = "auto"  # run { device }
 
 
 def check_flow(rep: Reporter, flow: Flow) -> None:
     _check_batches(rep, flow)
+    for m in flow.models:
+        if m.engine != "torch":
+            _check_engine(rep, flow, m)
     by_id = {n.id: n for n in flow.nodes}
     for node in flow.nodes:
         if node.op == "generate":
@@ -111,15 +116,47 @@ def _check_batches(rep: Reporter, flow: Flow) -> None:
         batch = d.options.get("batch")
         if not rows or not isinstance(batch, int) or batch <= rows:
             continue
+        # A warning, not an error: such a step repeats prompts, which small test flows rely on; said before the
+        # first step, so a batch of 100,000 from 64 rows no longer runs for minutes without a word.
         at = flow.data_blocks.get(d.name, {}).get("batch")
+        repeats = -(-batch // rows)
         why = (f"`batch = {batch}` prompts a step is more than the {rows} rows of {flow.shown[d.name]}"
-               + (" (after `limit`)" if d.options.get("limit") else ""))
-        hint = f"a step takes `batch` different prompts: at most `batch = {rows}`, or more rows"
+               + (" (after `limit`)" if d.options.get("limit") else "")
+               + f": each step repeats prompts (up to {repeats} times each)")
+        hint = f"a step of different prompts takes at most `batch = {rows}`; or add rows"
         if at is not None:
-            rep.error(at.src, why, at.entry.value, hint=hint)
-        else:  # the default batch: the flow never asked for it, so it runs (prompts repeat within a step)
-            rep.warn(flow.src, why.replace("`batch", "the default `batch"), flow.data_decls[d.name].name,
-                     hint=hint.replace("at most", "write"))
+            rep.warn(at.src, why, at.entry.value, hint=hint)
+        else:  # the default batch, which the flow never wrote: point at the data declaration
+            rep.warn(flow.src, why.replace("`batch", "the default `batch"), flow.data_decls[d.name].name, hint=hint)
+
+
+# What check_engine says about this machine or about a graph still worth compiling to look at (a vLLM flow
+# written on a laptop for a GPU cluster): a warning here, `run` refuses it where it runs. The rest is an error.
+_ENGINE_WARNINGS = ("which is not installed", "needs a CUDA device", "needs an hf: source")
+
+
+def _check_engine(rep: Reporter, flow: Flow, m: ModelDecl) -> None:
+    """What a worker checks before it builds `m` with an engine other than torch (flowrl.engines.select:
+    the right role, trainable, its options; installed, an hf: source and a CUDA device for vLLM), reported at the
+    `engine` entry: errors for the flow's own mistakes, warnings for what depends on the machine."""
+    import torch
+
+    from flowrl.engines.select import check_engine  # imports torch: only for flows naming another engine
+
+    at = flow.model_blocks.get(m.name, {}).get("engine")
+    if at is None:
+        return
+    # the device a worker here resolves `auto` to (runtime.worker.resolve_device), so messages are the run's own
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if flow.device == "auto" else flow.device
+    try:
+        check_engine(m.engine, m.role, model=m.name, trainable=m.trainable, source=m.source, device=device,
+                     options=m.options)
+    except FlowError as e:
+        for d in e.diagnostics:
+            if any(w in d.message for w in _ENGINE_WARNINGS):
+                rep.warn(at.src, d.message + " (`run` refuses it)", at.entry.value, hint=d.hint)
+            else:
+                rep.error(at.src, d.message, at.entry.value, hint=d.hint)
 
 
 def _root(flow: Flow, name: str) -> ModelDecl | None:
@@ -140,7 +177,7 @@ def _check_generation(rep: Reporter, flow: Flow, node: Node) -> None:
                   hint="a response cannot be required to be longer than it may be")
     root = _root(flow, str(node.model))
     data = dict(node.inputs).get("prompts")
-    if root is None or not isinstance(max_tokens, int) or data not in flow.prompts:
+    if root is None or not isinstance(max_tokens, int) or data is None or data not in flow.prompts:
         return
     prompts = flow.prompts[data]
     if root.source in TINY_SOURCES:

@@ -116,7 +116,7 @@ class _Lowering:
         if not self.rep.diagnostics:  # checks across declarations and nodes, on a flow that is right so far
             check_flow(self.rep, Flow(self.src, models, self._model_blocks, data,
                                       {d.name.name: d for d in data_ast}, self._data_blocks, self._prompts,
-                                      self._shown, nodes, steps.written))
+                                      self._shown, nodes, steps.written, str(run.get("device", "auto"))))
         placements = [d for d in self.module.decls if isinstance(d, ast.PlacementDecl)]
         pools, groups, nodes = Placer(self.rep, models, replicas_at).place(placements, self.src, nodes)
         flow = self._flow_name()

@@ -239,6 +239,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     from flowrl import backends
     from flowrl.runtime.progress import Progress
 
+    for flag, value, least in (("--steps", args.steps, 1), ("--seed", args.seed, 0)):
+        if value is not None and value < least:  # the run block's own limits (flowrl.ir.signatures.KEY_LIMITS)
+            raise FlowError(Diagnostic(f"{flag} must be at least {least}, got {value}"))
     graph = compile_args(args)
     out = Path(args.out or Path("runs") / graph.flow)
     args.crash_dir = out  # where a flowrl bug's crash log goes (main), now that the run has a directory

@@ -7,9 +7,11 @@ lower, the checks across keys; then the default passes, as `run` compiles it). A
 whose every diagnostic renders; any other exception fails the test.
 
 Each flow that passes goes on through what `run` does before and at its first step, with the real components:
-the data loaders (`flowrl.runtime.runner.loaders_of`) give their first batch; every model is built as a worker
-builds it (`flowrl.runtime.worker.init_model`, on the flow's device) and each generation's model runs its first
-forward at the full length a step needs: the longest prompt of the batch, encoded by the worker's
+the data loaders (`flowrl.runtime.runner.loaders_of`) give their first batch; every model passes the engine check
+a worker makes first (`check_engine`: a FlowError there fails the test unless `check` warned of that very
+message, as it does for vLLM where this machine cannot run it); each
+generation's model is built as a worker builds it (`flowrl.runtime.worker.init_model`, on the flow's device) and
+runs its first forward at the full length a step needs: the longest prompt of the batch, encoded by the worker's
 `PromptEncoder`, plus `max_tokens` positions. What is not run: sampling, the rewards, the updates (a real step
 takes tens of seconds here; tests/runtime run real steps). Models over 20M parameters, or forwards over 4,096
 positions, are not built (accepted by `check` and legitimate, just too slow here); built models are cached by
@@ -42,7 +44,8 @@ STRINGS = ['"tiny:llama"', '"tiny:foo"', '"hf:nowhere"', '"cuda"', '"gpu"', '"cp
            '"0123456789+= "']
 ADDED = {  # keys added to a block, with values worth trying
     "model": ["context = 8", "context = 3", "dim = 48", "heads = 3", "heads = 6", "layers = 1", "vocab = 7",
-              "dropout = 0.5", 'dtype = "bfloat16"', 'charset = "0123456789"', "lr = 0", 'source = "tiny:llama"'],
+              "dropout = 0.5", 'dtype = "bfloat16"', 'dtype = "float16"', 'charset = "0123456789"', "lr = 0",
+              'source = "tiny:llama"', 'engine = "vllm"', 'engine = "deepspeed"', "offload = true", "zero_stage = 2"],
     "data": ["batch = 1", "batch = 64", "limit = 2", "limit = 1", "shuffle = false", 'prompt_key = "answer"'],
     "run": ['device = "cpu"', 'device = "cuda"', "max_staleness = 2", "seed = 7", "steps = 1"],
 }
@@ -92,9 +95,10 @@ class FirstStep:
     def __init__(self) -> None:
         self.built: dict[Any, Any] = {}
         self.ran: set[Any] = set()  # (model, length) forwards already run: the same again proves nothing new
-        self.forwards = self.skipped = 0
+        self.forwards = self.skipped = self.refused = 0
 
     def __call__(self, graph: Graph) -> None:
+        from flowrl.engines.select import check_engine
         from flowrl.runtime.runner import loaders_of
         from flowrl.runtime.worker import PromptEncoder, init_model, resolve_device
 
@@ -102,6 +106,16 @@ class FirstStep:
         batches = {name: loader.next_batch() for name, loader in loaders_of(graph, seed).items()}
         device = resolve_device(str(graph.run.get("device", "auto")))
         decls = {m.name: m for m in graph.models}
+        for m in graph.models:  # what each worker checks before it builds its models
+            try:
+                check_engine(m.engine, m.role, model=m.name, trainable=m.trainable, source=m.source,
+                             device=str(device), options=m.options, loc=m.loc)
+            except FlowError as e:  # fine only where check warned that run refuses it (vLLM on this machine)
+                warned = [w.message for w in graph.warnings]
+                if not all(any(d.message in w for w in warned) for d in e.diagnostics):
+                    raise
+                self.refused += 1
+                return
         for node in graph.nodes:
             if node.op != "generate":
                 continue
