@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,7 @@ import pytest
 
 from flowrl import run
 from flowrl.errors import ExecutionError
-from flowrl.ir.graph import Graph
+from flowrl.ir.graph import Graph, frozen
 
 pytestmark = [pytest.mark.ray, pytest.mark.usefixtures("ray_session")]
 ROOT = Path(__file__).resolve().parents[2]
@@ -32,7 +33,11 @@ def test_one_rank_per_group_gives_the_local_metrics(algo: str, tiny: Callable[..
 
 def test_a_worker_exception_reaches_the_user_as_itself_with_the_worker_traceback(
         tiny: Callable[..., Graph], tmp_path: Path) -> None:
-    bad = tiny(steps=1, context=4, max_tokens=8)  # positions past `context` fail inside the worker's model
+    # positions past `context` fail inside the worker's model; `flowrl check` rejects such a flow, so the graph is
+    # made past the checks: the actor's context cut to 4 after compiling
+    good = tiny(steps=1, max_tokens=8)
+    bad = replace(good, models=tuple(replace(m, config=frozen({**m.config, "context": 4}))
+                                     if m.name == "actor" else m for m in good.models))
     with pytest.raises(ExecutionError) as info:
         run(bad, out_dir=tmp_path, backend="ray")
     text = str(info.value)
