@@ -89,3 +89,26 @@ def test_a_flowrl_bug_leaves_its_log_in_the_run_directory_a_new_one_each_time(
     assert "RuntimeError: a flowrl bug" in logs[0].read_text()
     assert not list(folder.glob("*crash*"))  # nothing in the working directory
     assert sys.modules["flowrl"].run is bug
+
+
+ASYNC = Path(__file__).resolve().parents[1] / "examples" / "grpo_arith_async.flow"
+
+
+def test_check_warns_of_an_asynchronous_flow_on_a_backend_that_cannot_overlap(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["check", str(ASYNC), "--backend", "threads"]) == 0
+    out = capsys.readouterr()
+    assert out.out == f"{ASYNC}: ok\n"
+    assert out.err.startswith(f"{ASYNC}: warning: run {{ max_staleness = 1 }} is not applied on the threads backend, "
+                              "the run is synchronous: the threads backend's groups share each model's one copy")
+    assert out.err.endswith("hint: run it with --backend process, ray or serverless\n")
+
+
+def test_check_notes_where_an_asynchronous_flow_runs_synchronously(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["check", str(ASYNC)]) == 0
+    assert capsys.readouterr().err == (
+        f"{ASYNC}: note: run {{ max_staleness = 1 }} overlaps generation with training on the process, ray, "
+        "serverless backends; on local and threads the run is synchronous (`flowrl check --backend NAME` says "
+        "which applies)\n")
+    assert main(["check", str(ASYNC), "--backend", "process"]) == 0
+    assert capsys.readouterr().err == ""

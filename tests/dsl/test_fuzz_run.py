@@ -22,11 +22,9 @@ from __future__ import annotations
 
 import random
 import re
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import pytest
 import torch
 
 from flowrl.compiler import optimize
@@ -161,12 +159,8 @@ def _check(text: str, path: str) -> Graph | None:
         return None
 
 
-@pytest.fixture
-def first_step() -> FirstStep:
-    return FirstStep()
-
-
-def test_no_checked_flow_fails_its_first_step(first_step: Callable[[Graph], None]) -> None:
+def test_no_checked_flow_fails_its_first_step() -> None:
+    first_step = FirstStep()
     rng = random.Random(25)
     names = sorted(SEEDS)
     accepted = 0
@@ -185,4 +179,4 @@ def test_no_checked_flow_fails_its_first_step(first_step: Callable[[Graph], None
     assert not failures, f"{len(failures)} flows passed check and failed their first step:\n" + "\n\n".join(
         failures[:3])
     assert accepted > MUTATIONS // 10  # the mutations reach the run path, not only the parser
-    assert isinstance(first_step, FirstStep) and first_step.forwards > accepted // 2
+    assert first_step.forwards > accepted // 2  # most accepted flows reach a forward (the rest: too big, refused)
