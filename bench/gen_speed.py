@@ -3,6 +3,12 @@
 Shape: tiny GPT-2 (layers=2, dim=128, heads=4), 16 prompts x n=8 samples, prompt length 32, exactly 64 new
 tokens per sample (min_tokens = max_tokens), temperature 1. Prints generated tokens/s (median of --repeats runs
 after one warm-up). Run: `python bench/gen_speed.py [--repeats 5]`.
+
+`--sampler` times one decode step's sampling alone (the part that depends on how randomness is drawn), at
+vocabularies from the tiny byte tokenizer's to a real model's, for the ways a row's draw could be keyed:
+the counter-based per-row streams flowrl samples with (one hashed uniform per row, inverse CDF in float64), one
+torch.Generator per row (one draw each), and the exponential race over a (rows, V) noise tensor from one shared
+generator, which flowrl used before (fast, but a row's draws depend on the batch it is in).
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from collections.abc import Callable
 import torch
 
 from flowrl.engines.generation import generate
+from flowrl.engines.sampling import inverse_cdf, row_keys, uniforms
 from flowrl.models.build import ModelSpec, build_model
 
 PROMPTS, SAMPLES, PROMPT_LEN, NEW_TOKENS = 16, 8, 32, 64
@@ -33,10 +40,44 @@ def _time(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
+def _sampler_variants(rows: int, vocab: int) -> dict[str, Callable[[], object]]:
+    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(0)) * 3
+    keys = row_keys(7, range(rows // 8), 8)
+    shared = torch.Generator().manual_seed(7)
+    per_row = [torch.Generator().manual_seed(i) for i in range(rows)]
+    steps = iter(range(10**9))
+
+    def streams() -> object:
+        return inverse_cdf(torch.softmax(logits, dim=-1), uniforms(keys, next(steps)))
+
+    def generators() -> object:
+        u = torch.cat([torch.rand(1, generator=g, dtype=torch.float64) for g in per_row])
+        return inverse_cdf(torch.softmax(logits, dim=-1), u)
+
+    def race() -> object:
+        noise = torch.rand(logits.shape, generator=shared).log_().neg_()
+        return (torch.softmax(logits, dim=-1) / noise).argmax(dim=-1)
+
+    return {"per-row streams (flowrl)": streams, "per-row generators": generators,
+            "shared-generator race (before)": race}
+
+
+def sampler_bench(repeats: int, rows: int = 128, vocabs: tuple[int, ...] = (260, 32_000, 151_936)) -> None:
+    """Seconds per decode step of sampling (rows, V) logits: softmax, the draw, the token."""
+    print(f"sampling one decode step | {rows} rows | torch threads: {torch.get_num_threads()} | median of {repeats}")
+    for vocab in vocabs:
+        for name, seconds in _time(_sampler_variants(rows, vocab), repeats).items():
+            print(f"V={vocab:<7d} {name:32s} {seconds * 1e3:8.3f} ms/step")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--sampler", action="store_true", help="time one step's sampling alone")
     args = parser.parse_args()
+    if args.sampler:
+        sampler_bench(max(args.repeats, 20))
+        return
 
     loaded = build_model(ModelSpec("tiny:gpt2", {"layers": 2, "dim": 128, "heads": 4}, role="policy"), seed=0)
     module, tok = loaded.module, loaded.tokenizer
@@ -46,9 +87,8 @@ def main() -> None:
 
     def ours(share: bool) -> Callable[[], object]:
         def run() -> object:
-            gen = torch.Generator().manual_seed(1)
             return generate(module, tok, prompts, n=SAMPLES, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS,
-                            generator=gen, share_prefix=share)  # fmt: skip
+                            seed=1, share_prefix=share)  # fmt: skip
 
         return run
 
