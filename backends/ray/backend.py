@@ -1,9 +1,10 @@
 """`RayBackend`: each worker group of the compiled graph becomes N Ray actors in a placement group.
 
 `start` sizes the groups (`cluster.group_specs`), reserves one placement group per worker group, starts every
-rank at once and waits for all of them (each placement group's life, created to removed on the driver's clock,
-is kept in `reserved`: the device-time the cluster held for the fixed pools, what bench/serverless.py sets against
-the serverless pools' held time); `after_update` is the controller's hook for split placement's weight
+rank at once and waits for all of them (each placement group's life, from Ray's grant (the GCS's time its last
+bundle was placed) to its removal (on a cluster flowrl joined: when Ray counts its resources free again), is kept
+in `reserved`: the device-time the cluster held for the fixed pools, what the cost report charges
+(`reservations()`, flowrl.runtime.cost) and bench/serverless.py sets against the serverless pools' held time); `after_update` is the controller's hook for split placement's weight
 sync; `shutdown` stops the actors, frees the placement groups (waiting until Ray counts their resources free
 again, so a run started next in the same cluster can size its groups) and stops Ray if it was started here. It
 is safe to call `shutdown` at any point (after Ctrl-C, after an error, twice).
@@ -15,7 +16,7 @@ import logging
 import time
 import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -27,26 +28,11 @@ from flowrl.backends.ray.group import GroupSpec, RankLost, RayWorkerGroup, Worke
 from flowrl.backends.ray.sync import WeightSync
 from flowrl.errors import Diagnostic, FlowError
 from flowrl.ir.graph import Graph
+from flowrl.runtime.cost import Reservation
 from flowrl.runtime.protocol import WorkerGroup
 
 log = logging.getLogger("flowrl.ray")
 RELEASE_TIMEOUT_S = 10.0  # how long `shutdown` waits for removed placement groups' resources to be free again
-
-
-@dataclass(frozen=True)
-class Reservation:
-    """A worker group's placement group: its bundles (one per rank, one device each) and when it was created and
-    removed (time.time(); `removed` None while it lives). The cluster holds `ranks` devices for it all along."""
-
-    group: str
-    ranks: int
-    created: float
-    removed: float | None = None
-
-    def held_s(self, now: float | None = None) -> float:
-        """Device-seconds held: ranks times its life (until `now` while it lives)."""
-        end = self.removed if self.removed is not None else (time.time() if now is None else now)
-        return self.ranks * max(0.0, end - self.created)
 
 
 class RayBackend:
@@ -87,6 +73,7 @@ class RayBackend:
         self.sync = WeightSync(holders, manual=manual)
         pgs = {s.name: self._reserve(s) for s in specs}
         self._await_placement(specs, pgs)
+        self._granted(pgs)
         for s in specs:  # every rank of every group starts at once; then wait for them all
             self.groups[s.name] = RayWorkerGroup(s, pgs[s.name], self.sync)
         self.sync.groups = self.groups
@@ -127,6 +114,11 @@ class RayBackend:
     def usage(self) -> None:
         return None  # fixed pools: every device held from start to shutdown
 
+    def reservations(self) -> list[Reservation]:
+        """Every placement group this backend created, with its grant and (once removed) removal: what the cost
+        report charges (flowrl.runtime.cost.Reserving)."""
+        return list(self.reserved)
+
     def shutdown(self) -> None:
         for g in self.groups.values():
             g.kill()
@@ -164,6 +156,23 @@ class RayBackend:
                              name=f"flowrl-{spec.name}-{uuid.uuid4().hex[:8]}")
         self._pgs.append(pg)
         return pg
+
+    def _granted(self, pgs: Mapping[str, PlacementGroup]) -> None:
+        """Each reservation's start moved to when Ray granted it: the GCS's time its last bundle was placed
+        (before that, the cluster held nothing for it; a busy cluster may have kept it waiting)."""
+        from ray.core.generated import gcs_pb2
+
+        accessor = ray._private.state.state._connect_and_get_accessor()  # what ray.util.placement_group_table reads
+        granted = {}
+        for name, pg in pgs.items():
+            raw = accessor.get_placement_group_info(pg.id)
+            if raw is not None:
+                info = gcs_pb2.PlacementGroupTableData.FromString(raw)  # type: ignore[attr-defined]
+                at = info.placement_group_final_bundle_placement_timestamp_ms
+                if at > 0:
+                    granted[name] = at / 1e3
+        self.reserved = [replace(r, created=granted[r.group]) if r.removed is None and r.group in granted else r
+                         for r in self.reserved]
 
     def _await_placement(self, specs: list[GroupSpec], pgs: Mapping[str, PlacementGroup]) -> None:
         refs = [pgs[s.name].ready() for s in specs]

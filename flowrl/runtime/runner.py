@@ -125,8 +125,9 @@ def run(graph: Graph, *, out_dir: str | Path, backend: Backend, steps: int | Non
         tb = report.TensorBoard(out / "tb")
         group_names = ["controller", *[w.name for w in graph.worker_groups]]
         spans: list[Span] = []
-        meter = cost.CostMeter(pools, starting_s=starting, clock=time.perf_counter())
         wall0 = time.time() - time.perf_counter()  # wall clock minus perf_counter: instance tasks report wall time
+        meter = cost.CostMeter(pools, starting_s=starting, clock=time.perf_counter(), wall=wall0,
+                               reserving=be if isinstance(be, cost.Reserving) else None)
         for step in range(start + 1, total + 1):
             began = time.perf_counter()
             be.begin_step(step)
@@ -163,8 +164,10 @@ def run(graph: Graph, *, out_dir: str | Path, backend: Backend, steps: int | Non
     metrics = report.read_metrics(metrics_path)
     if metrics:
         report.plot_rewards(metrics, out / "reward.png", graph.flow)
-    tail = be.usage()  # an elastic backend's tasks after the last step's row: the final checkpoint, released instances
-    ended = [meter.step([], time.perf_counter(), tail)] if tail and meter is not None else []
+    # after the last step's row: reserved pools' teardown; an elastic backend's tasks (the final checkpoint,
+    # released instances) and the devices its processes kept to the end
+    tail = be.usage()
+    ended = meter.ended(time.perf_counter(), tail) if meter is not None else []
     spent = cost.summary(metrics + ended, pools, float(str(graph.run.get("gpu_hour", 0.0))),
                          float(str(graph.run.get("cpu_hour", 0.0)))) if pools else {}
     if spent:

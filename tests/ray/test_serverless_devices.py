@@ -102,8 +102,9 @@ def test_a_pool_key_declares_the_gpu_share_and_where_models_wait(flow_text: Any)
 def test_a_pool_that_keeps_its_models_on_the_device_says_so_in_the_cost_report(
         tmp_path: Path, split_grpo: Any) -> None:
     """`pool gen { keep_warm = "device" }`: the generation pool's tasks leave their models on the device (the
-    cost report counts them: their processes keep that memory between tasks); the train pool's move theirs to
-    host memory. Every instance's span names the device it chose: this machine's CPU."""
+    cost report counts them, and charges the devices their processes hold between tasks, to the run's end, as
+    `cost/gen/kept_s` within the pool's held); the train pool's move theirs to host memory. Every instance's span
+    names the device it chose: this machine's CPU."""
     res = flowrl.run(split_grpo(steps=2, gen='1, keep_warm = "device"'), out_dir=tmp_path / "out",
                      backend="serverless")
     events = [e for e in json.loads((tmp_path / "out" / "trace.json").read_text())["traceEvents"]
@@ -115,3 +116,10 @@ def test_a_pool_that_keeps_its_models_on_the_device_says_so_in_the_cost_report(
         gen = [e for e in events if tracks[e["tid"]] == "gen instances" and e["args"]["step"] == row["step"]]
         assert gen and row["cost/kept_on_device"] == len(gen)  # the train pool's tasks are not counted
         assert row["cost/device_left_bytes"] == 0.0  # no CUDA: nothing measured as left
+        # the generation pool's processes hold their device between tasks too: in its held, and apart
+        assert row["cost/gen/kept_s"] > 0.0 and "cost/train/kept_s" not in row
+        assert row["cost/gen/held_s"] == pytest.approx(sum(e["dur"] for e in gen) / 1e6 + row["cost/gen/kept_s"],
+                                                       abs=1e-4)
+        assert row["cost/kept_s"] == row["cost/gen/kept_s"]
+    # held to the run's end: cost.json has what was kept after the last step's row as well
+    assert res.cost["kept_s"] > sum(r["cost/kept_s"] for r in res.metrics)

@@ -9,7 +9,8 @@ import pytest
 
 import flowrl
 from flowrl.runtime.controller import Span
-from flowrl.runtime.cost import CostMeter, Pool, summary, table, union_s
+from flowrl.runtime.cost import CostMeter, DeviceKeeps, Pool, Reservation, summary, table, union_s
+from flowrl.runtime.protocol import Usage
 
 FLOW = """
 model actor : policy { source = "tiny:gpt2", layers = 1, dim = 32, heads = 2, charset = "0123456789+=", lr = 1e-3,
@@ -136,4 +137,96 @@ def test_instances_that_keep_their_models_on_the_device_are_counted_and_said() -
     assert report["kept_on_device"] == 1.0
     assert table(report).splitlines()[-1] == (
         '1 instance tasks kept their models on the device after giving it back (keep_warm = "device"): their '
-        "processes hold that memory between tasks, which held dev-s does not count")
+        "processes held those devices 0.0 dev-s between tasks, counted in held dev-s (the report's own figure: the "
+        "cluster counts them free)")
+
+
+class Reserved:
+    """A backend whose pools the cluster reserves (flowrl.runtime.cost.Reserving), by hand."""
+
+    def __init__(self, *reserved: Reservation):
+        self.reserved = list(reserved)
+
+    def reservations(self) -> list[Reservation]:
+        return self.reserved
+
+
+def test_reserved_pools_are_charged_their_reservations_from_the_grant_to_the_removal() -> None:
+    """Wall clock = perf_counter + 1000. gen (1 rank) granted at 1002, train (2 ranks) at 1003; the groups were
+    up at 1006 (perf 6), steps end at 1010 and 1012; removed at 1015 and 1014: start-up in the first step,
+    the teardown in `ended`'s row, and the whole is ranks times life."""
+    pools = [Pool("gen", ("gen",), 1), Pool("train", ("train",), 2)]
+    be = Reserved(Reservation("gen", 1, 1002.0), Reservation("train", 2, 1003.0))
+    meter = CostMeter(pools, starting_s=99.0, clock=6.0, reserving=be, wall=1000.0)  # starting_s: not used
+    spans = [Span("rollout", "generate", "gen", 1, 6.5, 1.0), Span("actor.update", "update", "train", 1, 8.0, 1.0)]
+    first = meter.step(spans, now=10.0)
+    assert first["cost/gen/held_s"] == pytest.approx(8.0) and first["cost/train/held_s"] == pytest.approx(2 * 7.0)
+    assert first["cost/starting_s"] == pytest.approx(4.0 + 2 * 3.0) and first["cost/cold_starts"] == 3
+    assert first["cost/busy_s"] == pytest.approx(1.0 + 2.0)
+    assert first["cost/idle_s"] == pytest.approx(22.0 - 3.0 - 10.0)
+    second = meter.step([], now=12.0)
+    assert second["cost/held_s"] == pytest.approx(3 * 2.0) and second["cost/starting_s"] == 0.0
+    be.reserved = [Reservation("gen", 1, 1002.0, 1015.0), Reservation("train", 2, 1003.0, 1014.0)]
+    [ended] = meter.ended(20.0, None)
+    assert ended["cost/gen/held_s"] == pytest.approx(3.0) and ended["cost/train/held_s"] == pytest.approx(2 * 2.0)
+    assert ended["cost/stopping_s"] == ended["cost/held_s"] == ended["cost/idle_s"] == pytest.approx(7.0)
+    report = summary([{"step": 1, **first}, {"step": 2, **second}, ended], pools)
+    assert report["held_s"] == pytest.approx(sum(r.held_s() for r in be.reserved)) == pytest.approx(13.0 + 22.0)
+    assert report["stopping_s"] == pytest.approx(7.0) and report["starting_s"] == pytest.approx(10.0)
+    assert "kept_s" not in report
+
+
+def test_fixed_pools_without_a_cluster_keep_their_report_and_charge_no_teardown() -> None:
+    meter = CostMeter([Pool("gen", ("gen",), 1)], starting_s=2.0, clock=0.0)
+    assert meter.step([], now=3.0)["cost/held_s"] == 5.0
+    assert meter.ended(10.0, None) == []
+    assert "stopping_s" not in summary([meter.step([], now=4.0)], [Pool("gen", ("gen",), 1)])
+
+
+def use(pid: int, began: float, held: float, *, group: str = "gen", cold: bool = False, kept: bool = True,
+        lost: float = 0.0) -> Usage:
+    return Usage(group, group, pid, began, 0.0, 0.0, 0.0 if lost else held, cold, kept_on_device=kept, lost_s=lost)
+
+
+def test_a_process_that_keeps_models_on_its_device_holds_it_until_it_gives_them_up() -> None:
+    """Worked values (wall clock). Process 1 keeps gen's models after a task over [0, 1]: held between tasks
+    until its next gen task at 5 (warm: they were there all along), then kept again from 6 to the run's end."""
+    keeps = DeviceKeeps()
+    assert keeps.charge([use(1, 0.0, 1.0)], now=3.0) == pytest.approx({"gen": 2.0})  # open: charged as it goes
+    assert keeps.charge([use(1, 5.0, 1.0)], now=8.0) == pytest.approx({"gen": 2.0 + 2.0})  # 3..5, then 6..8
+    assert keeps.charge([], now=9.0) == pytest.approx({"gen": 1.0})  # the run's end
+    # a task that gives its device back clean (kept false) ends nothing but its own hold
+    assert DeviceKeeps().charge([use(2, 0.0, 1.0, kept=False)], now=4.0) == {}
+
+
+def test_kept_models_given_up_by_an_eviction_or_a_lost_process_stop_counting_there() -> None:
+    # process 1 keeps gen's models from 1; train builds its own there at 2 and 4; gen's next task there (at 6)
+    # is cold: they were evicted by the last build before it (4), the latest they can have been there
+    keeps = DeviceKeeps()
+    got = keeps.charge([use(1, 0.0, 1.0), use(1, 2.0, 0.5, group="train", cold=True, kept=False),
+                        use(1, 4.0, 0.5, group="train", cold=True, kept=False),
+                        use(1, 6.0, 1.0, cold=True, kept=False)], now=10.0)
+    assert got == pytest.approx({"gen": 3.0})
+    # no build in between: the cold task dropped them at its own start
+    assert DeviceKeeps().charge([use(1, 0.0, 1.0), use(1, 3.0, 1.0, cold=True, kept=False)], now=9.0) == \
+        pytest.approx({"gen": 2.0})
+    # process 1 was lost at 2.5 (an attempt there held its slot until its retry): gen's and train's kept models
+    # went with it
+    lost = DeviceKeeps()
+    got = lost.charge([use(1, 0.0, 1.0), use(1, 1.5, 0.5, group="train"), use(1, 2.5, 0.0, lost=1.0)], now=9.0)
+    assert got == pytest.approx({"gen": 1.5, "train": 0.5}) and not lost.open
+
+
+def test_the_meter_charges_kept_devices_in_held_and_apart() -> None:
+    """An elastic step's row: kept seconds in the pool's held and apart (`kept_s`), idle; at the end (`ended`)
+    what was still kept."""
+    pools = [Pool("gen", ("gen",), 1)]
+    meter = CostMeter(pools, starting_s=0.0, clock=0.0, wall=100.0)
+    row = meter.step([], now=5.0, usage=[use(1, 100.0, 1.0)])  # held over [100, 101], kept to 105
+    assert row["cost/gen/kept_s"] == row["cost/kept_s"] == pytest.approx(4.0)
+    assert row["cost/gen/held_s"] == row["cost/held_s"] == pytest.approx(5.0)
+    assert row["cost/idle_s"] == pytest.approx(4.0)
+    [end] = meter.ended(7.0, [])
+    assert end["cost/kept_s"] == pytest.approx(2.0)
+    report = summary([{"step": 1, **row}, end], pools)
+    assert report["kept_s"] == pytest.approx(6.0) and report["held_s"] == pytest.approx(7.0)
