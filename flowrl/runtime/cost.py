@@ -325,7 +325,9 @@ def table(report: Mapping[str, Any]) -> str:
                      f"{p['utilization']:>6.0%}" + (f" {p['money']:>10.4f}" if money else ""))
     lines.append(f"{'all':<12} {'':>7} {report['held_s']:>11.1f} {report['busy_s']:>11.1f} "
                  f"{report['utilization']:>6.0%}" + (f" {money['devices']:>10.4f}" if money else "") +
-                 f"   (starting {report['starting_s']:.1f} dev-s, {int(report['cold_starts'])} cold starts"
+                 f"   (starting {report['starting_s']:.1f} dev-s, "
+                 + (f"stopping {report['stopping_s']:.1f} dev-s, " if "stopping_s" in report else "")
+                 + f"{int(report['cold_starts'])} cold starts"
                  + (f", {int(report.get('prewarm_ready', 0))} pre-warmed ahead of their stage"
                     if report.get("prewarm_ready") else "") + ")")
     if report.get("kept_on_device"):

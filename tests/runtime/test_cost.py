@@ -174,6 +174,7 @@ def test_reserved_pools_are_charged_their_reservations_from_the_grant_to_the_rem
     assert report["held_s"] == pytest.approx(sum(r.held_s() for r in be.reserved)) == pytest.approx(13.0 + 22.0)
     assert report["stopping_s"] == pytest.approx(7.0) and report["starting_s"] == pytest.approx(10.0)
     assert "kept_s" not in report
+    assert table(report).splitlines()[-1].endswith("(starting 10.0 dev-s, stopping 7.0 dev-s, 3 cold starts)")
 
 
 def test_fixed_pools_without_a_cluster_keep_their_report_and_charge_no_teardown() -> None:
