@@ -30,6 +30,7 @@ from flowrl.backends.serverless.ledger import Ledger, usage_of
 from flowrl.backends.serverless.prewarm import Prewarmer, Warm
 from flowrl.backends.serverless.scaling import Policy, Scaler, in_order
 from flowrl.backends.serverless.slots import Acquire, Slots
+from flowrl.elastic.prefill import PrefillRates
 from flowrl.elastic.scale import ScaleChoice
 from flowrl.ir.graph import Node
 from flowrl.runtime import dispatch
@@ -112,7 +113,7 @@ class ServerlessGroup:
         if slots is not None:
             slots.register(name, self.prewarm.yield_idle, self.prewarm.keep_floor)
         self.encoders: dict[str, PromptEncoder] = {}  # generating models' prompt tokenization (prefill planning)
-        self.prefill = prefill.Measured()
+        self.prefill = PrefillRates()  # the deduplicated prefill's measured rates (flowrl.elastic.prefill)
 
     def start(self) -> None:
         """One instance builds the models once (the pool's first cold start) and tells how each tokenizes
@@ -133,10 +134,11 @@ class ServerlessGroup:
 
     def _call(self, method: str, args: tuple[Any, ...], mode: str, kwargs: dict[str, Any]) -> Future:
         world = 1 if method in dispatch.UPDATES else self.world
-        order, choice = None, None
+        order, choice, sink = None, None, None
         if method == "generate" and args and isinstance(args[1], Batch):
             # a migrating generation's instances wait on one another: no more than can run at once
-            args, world, order, choice = self.scaler.shards(args, self._room(self.world))
+            args, world, order, gen = self.scaler.shards(args, self._room(self.world))
+            choice, sink = gen.choice, gen.sink
         elif method not in dispatch.UPDATES and mode == "split":
             rows = next((a.size for a in args if isinstance(a, Batch)), 0)
             world, _ = self.scaler.forward(method, rows)
@@ -155,7 +157,6 @@ class ServerlessGroup:
         shares, shared = self._shares(plan)
         boxes = [w.box for w in warm] + ([migration] if migrating is not None else []) + ([shared] if shared else [])
         tokens: list[str] = []
-        sink = self.scaler.sink([c.args[1] for c in plan.calls]) if migrating is not None else None
         for c in plan.calls:
             lost = marker if c.rank == 0 else None
             how, kw = method, {**c.kwargs, **({"share": shares[c.rank]} if shares else {})}
@@ -215,7 +216,8 @@ class ServerlessGroup:
         if room is not None and room < 1:
             return None  # not all of the stage's instances could run at once: the controller runs it unfused
         started = time.perf_counter()
-        args, world, order, choice = self.scaler.shards((str(gen.model), prompts, dict(gen.attrs)), room)
+        args, world, order, decided = self.scaler.shards((str(gen.model), prompts, dict(gen.attrs)), room)
+        choice, sink = decided.choice, decided.sink
         plan = dispatch.plan("generate", args, {"step_seed": seed}, "split", world)
         box = f"{self.key[0]}/{self.name}/stream-{next(self.boxes)}" if away else ""
         first, warm = self.prewarm.arrived(len(plan.calls), "generate")
@@ -223,7 +225,6 @@ class ServerlessGroup:
         made = []
         migration = f"{self.key[0]}/{self.name}/migrate-{next(self.boxes)}"
         shares, shared = self._shares(plan)
-        sink = self.scaler.sink([c.args[1] for c in plan.calls])
         for c in plan.calls:
             kw = {**c.kwargs, "first_prompt": c.offset, "box": box, "inline": here, "mailbox": self.mailbox,
                   "role": self._role(c.rank, len(plan.calls), migration, sink),
@@ -301,9 +302,9 @@ class ServerlessGroup:
         return shares, box
 
     def _role(self, rank: int, shards: int, box: str, sink: int | None) -> migrate.Role | None:
-        """A generation instance's part in cut-and-migrate: `sink` (the instance flowrl.elastic's
-        migration_target names: scaling.migration_sink) takes the tails, the others are sources; None without
-        migration (one shard, no sink, or `migrate_at` = 1)."""
+        """A generation instance's part in cut-and-migrate: `sink` (the generation plan's, Scaler.shards:
+        flowrl.elastic.migration_sink) takes the tails, the others are sources; None without migration (one
+        shard, no sink, or `migrate_at` = 1)."""
         if shards < 2 or sink is None or self.policy.tau >= 1.0:
             return None
         return migrate.Role(box, self.policy.tau, shards - 1 if rank == sink else 0, rank)

@@ -5,7 +5,8 @@ prefixes they share (flowrl.engines.trie, at least the share-prefix pass's `pref
 whole step, not one instance's shard). flowrl.elastic.prefill decides who computes what: a prefix is computed
 by the first instance holding its prompts (its owner), which offers it to the generation's box when other
 instances take it; the others take it or compute it themselves, as the measured handover and recompute times
-say (`run { dedup_prefill = "auto" }`; "handover" and "local" force one side, "off" prefills every prompt whole).
+say (`run { dedup_prefill = "auto" }`; "handover" and "local" force one side, "off" prefills every prompt whole):
+`decide_hand_over` on the rates `PrefillRates` learned, the calls the simulator makes.
 Every instance then prefills only its prompts' rests (flowrl.engines.prefill), so the samples are the same.
 """
 
@@ -18,7 +19,7 @@ from typing import Any
 
 import ray
 
-from flowrl.elastic.prefill import hand_over, share_prefixes
+from flowrl.elastic.prefill import PrefillRates, decide_hand_over, share_prefixes
 from flowrl.engines.prefill import Prefixes, merge
 from flowrl.engines.trie import plan_of
 from flowrl.ir.attrs import GenerateAttrs
@@ -26,7 +27,6 @@ from flowrl.runtime import dispatch
 from flowrl.runtime.batch import Batch
 from flowrl.runtime.worker import ModelWorker, PromptEncoder
 
-UNMEASURED_PATIENCE_S = 1.0  # how long a taker waits for an owner before the recompute time is measured
 Tokens = tuple[int, ...]
 
 
@@ -45,27 +45,8 @@ class Share:
     skipped: int = 0  # prompt tokens this instance does not prefill (its prompts' prefixes)
 
 
-@dataclass
-class Measured:
-    """What the driver learned from the instances: seconds per computed prefix token, and per handover."""
-
-    rate_s: float | None = None
-    handover_s: float | None = None
-
-    def learn(self, stats: Sequence[Mapping[str, float]]) -> None:
-        computed = [s for s in stats if s.get("prefill_tokens")]
-        if computed:
-            rate = sum(s["prefill_s"] for s in computed) / sum(s["prefill_tokens"] for s in computed)
-            self.rate_s = rate if self.rate_s is None else 0.5 * self.rate_s + 0.5 * rate
-        # a taker that gave up on its owner measured its wait plus its own computing: what handing over cost
-        taken = [s["handover_s"] for s in stats if s.get("handover_tokens") or s.get("handover_missed")]
-        if taken:
-            mean = sum(taken) / len(taken)
-            self.handover_s = mean if self.handover_s is None else 0.5 * self.handover_s + 0.5 * mean
-
-
 def plan_shares(encoder: PromptEncoder, texts: Sequence[str], max_tokens: int, min_len: int,
-                sizes: Sequence[int], mode: str, measured: Measured, box: str,
+                sizes: Sequence[int], mode: str, measured: PrefillRates, box: str,
                 mailbox: Any) -> tuple[list[Share], dict[str, float]]:
     """Each instance's `Share` of a generation over `sizes` prompts an instance (in order), and what was
     decided (for the step's metrics)."""
@@ -82,29 +63,26 @@ def plan_shares(encoder: PromptEncoder, texts: Sequence[str], max_tokens: int, m
     prefixes = [unique[m[0]][:length] for length, m in groups]
     taken = [length for (length, _), held in zip(groups, members, strict=True)
              for _ in range(len({instance_of[p] for p in held}) - 1)]  # one per instance other than the owner
-    recompute = None if measured.rate_s is None or not taken else measured.rate_s * sum(taken) / len(taken)
-    handing = mode == "handover" or (mode == "auto" and hand_over(recompute, measured.handover_s))
-    # "handover" waits for the owner however long it takes; "auto" no longer than recomputing is expected to take
-    patience = None if mode == "handover" else recompute if recompute is not None else UNMEASURED_PATIENCE_S
-    shares = share_prefixes(members, instance_of, len(sizes), handing)
+    how = decide_hand_over(mode, measured.rate_s, measured.handover_s, taken)
+    shares = share_prefixes(members, instance_of, len(sizes), how.handing)
     skipped = [0] * len(sizes)
     for (length, _), held in zip(groups, members, strict=True):
         for p in held:
             skipped[instance_of[p]] += length
     out = [Share(box, rank, mailbox, tuple(prefixes[g] for g in s.compute), tuple(prefixes[g] for g in s.offer),
                  tuple((owner, tuple(prefixes[g] for g, o in s.take if o == owner))
-                       for owner in sorted({o for _, o in s.take})), patience, skipped[rank])
+                       for owner in sorted({o for _, o in s.take})), how.patience_s, skipped[rank])
            for rank, s in enumerate(shares)]
-    decided = {"prefixes": float(len(groups)), "handover": float(handing and bool(taken)),
+    decided = {"prefixes": float(len(groups)), "handover": float(how.handing and bool(taken)),
                "prompt_tokens": float(sum(len(r) for r in ids))}
-    if recompute is not None:
-        decided["recompute_est_s"] = recompute
+    if how.recompute_s is not None:
+        decided["recompute_est_s"] = how.recompute_s
     if measured.handover_s is not None:
         decided["handover_est_s"] = measured.handover_s
     return out, decided
 
 
-def shares_for(plan: dispatch.Plan, encoders: Mapping[str, PromptEncoder], mode: str, measured: Measured,
+def shares_for(plan: dispatch.Plan, encoders: Mapping[str, PromptEncoder], mode: str, measured: PrefillRates,
                new_box: Callable[[], str], mailbox: Any) -> tuple[list[Share], str, dict[str, float]]:
     """A generation call's deduplicated prefill, on the driver: each instance's `Share`, the box owners offer
     prefixes in, and what was decided (the step's metrics, unprefixed) -> ([], "", {}) when it does not apply:
@@ -126,7 +104,7 @@ def shares_for(plan: dispatch.Plan, encoders: Mapping[str, PromptEncoder], mode:
     return shares, box, decided
 
 
-def learned(measured: Measured, stats: Sequence[Mapping[str, float]]) -> dict[str, float]:
+def learned(measured: PrefillRates, stats: Sequence[Mapping[str, float]]) -> dict[str, float]:
     """What the instances' deduplicated prefill measured: taught to `measured` (the next decision's rates) ->
     the step's metrics (prefix tokens computed, saved against every prompt prefilling its prefix, handed over;
     unprefixed; {} without stats)."""

@@ -23,7 +23,7 @@ import ray
 
 from flowrl.backends.serverless.instance import Build, remote_prewarm
 from flowrl.backends.serverless.slots import Slots
-from flowrl.elastic.prewarm import prewarm_delay
+from flowrl.elastic.prewarm import learn_start, prewarm_plan
 from flowrl.runtime.protocol import Usage
 
 
@@ -61,19 +61,26 @@ class Prewarmer:
     def begin_step(self, began: float) -> None:
         """A step starts (perf_counter `began`): release instances started for the last one and not used (but
         `floor` of them), start the `floor` ones missing, and when the history says the group's first call has
-        had to build models, start as many instances as it used, timed from the earliest that call has come."""
+        had to build models, start as many instances as it used, timed from the earliest that call has come
+        (`plan`)."""
         with self.lock:
             kept, self.warm = self.warm[:self.floor], self.warm[self.floor:]  # the lower bound stays warm
             self._release()
             self.warm = kept
             self.step_began, self.first_pending = began, True
             self._launch(self.floor - len(self.warm))
-            delay = prewarm_delay(self.offsets, self.ready_s, self.margin_s)
-            if not self.enabled or self.mailbox is None or delay is None or not self.needed:
+            plan = self.plan()
+            if plan is None or self.mailbox is None:
                 return
-            self.timer = threading.Timer(delay, self._start, args=(began, self.needed))
+            delay, n = plan
+            self.timer = threading.Timer(delay, self._start, args=(began, n))
             self.timer.daemon = True
             self.timer.start()
+
+    def plan(self) -> tuple[float, int] | None:
+        """(seconds after a step's start, instances) to pre-warm for the group's first call, or None: from the
+        history, by flowrl.elastic's `prewarm_plan` (the simulator's call). Under the lock (or alone)."""
+        return prewarm_plan(self.offsets, self.ready_s, self.needed, self.margin_s, self.enabled)
 
     def _start(self, began: float, n: int) -> None:
         with self.lock:
@@ -130,13 +137,11 @@ class Prewarmer:
             return first, taken
 
     def learn(self, used: Sequence[Usage], first: bool) -> None:
-        """From a finished call: how long a cold start takes, and whether the step's first call needed one."""
+        """From a finished call: how long a cold start takes, and whether the step's first call needed one
+        (flowrl.elastic's `learn_start`, as the simulator learns)."""
         cold = [u.start_s + u.load_s for u in used if u.cold]
         with self.lock:
-            if cold:
-                self.ready_s = max(cold)
-            if first:
-                self.needed = len(used) if cold else 0
+            self.ready_s, self.needed = learn_start(self.ready_s, self.needed, cold, len(used), first)
 
     def _release(self) -> None:
         for w in self.warm:

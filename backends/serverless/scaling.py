@@ -1,10 +1,13 @@
 """A serverless pool's instance count and prompt assignment for a generation, and what it measures to decide.
 
-How many instances generate a step is flowrl.elastic's cost-aware choice (`choose_instances`), from the
-prompts' predicted response lengths (flowrl.elastic.predict, taught every step's lengths) and this run's
-measured seconds per decode step; the prompts go to instances by predicted length (flowrl.elastic.assign):
-sorted shortest first, contiguous runs to instances, so instances holding short work finish and release their
-slot early. The rollout is put back in the prompts' order.
+A generation's decisions are flowrl.elastic's `plan_generation`, the call the simulator makes
+(backends/sim/rlhfless.py): the cost-aware instance count (`choose_instances`) from the prompts' predicted
+response lengths (`predictions`: flowrl.elastic.predict, taught every step's lengths) and this run's measured
+seconds per decode step (`learn_decode`) and task overhead (`start_overhead`); the prompts go to instances by
+predicted length (flowrl.elastic.assign: sorted shortest first, contiguous runs to instances, so instances
+holding short work finish and release their slot early); the migration sink (`migration_sink`). The rollout is
+put back in the prompts' order. A forward's instance count takes the same cost rule from its measured time per
+row.
 """
 
 from __future__ import annotations
@@ -15,8 +18,7 @@ from typing import Any
 
 import torch
 
-from flowrl.elastic.assign import ranked_runs
-from flowrl.elastic.migrate import migration_target
+from flowrl.elastic.plan import GenerationPlan, learn_decode, plan_generation, predictions, start_overhead
 from flowrl.elastic.predict import LengthPredictor
 from flowrl.elastic.scale import DecodeCurve, ScaleChoice, choose_instances
 from flowrl.runtime.batch import Batch
@@ -48,19 +50,6 @@ def in_order(out: Batch, rows: list[int] | None, order: list[int] | None) -> Bat
     return back
 
 
-def migration_sink(work: Sequence[float], rows: Sequence[int]) -> int | None:
-    """The instance a migrating generation's sources hand their tails to (`flowrl.elastic.migration_target`, the
-    call the simulator makes): the one kept to the end is the one with the most predicted work (ties: the later
-    shard, which length-ranked assignment gives the longest prompts); its free slots are the step's rows less
-    its own. None (no migration) when some source's rows would not fit there, or with one instance."""
-    if len(work) < 2:
-        return None
-    keep = max(range(len(work)), key=lambda i: (work[i], i))
-    free = {keep: sum(rows) - rows[keep]}
-    targets = {migration_target(free, src, rows[src]) for src in range(len(rows)) if src != keep}
-    return keep if targets == {keep} else None
-
-
 class Scaler:
     """One pool's generation scaling: its length history, its measured decode curve and task overhead."""
 
@@ -73,43 +62,35 @@ class Scaler:
         self.call_overhead: dict[str, float] = {}  # its tasks' time beyond the method (warm starts)
 
     def shards(self, args: tuple[Any, ...], limit: int | None = None
-               ) -> tuple[tuple[Any, ...], int, list[int] | None, ScaleChoice | None]:
-        """A generation's (model, prompts, attrs) over this pool: the instance count (the cost-aware choice,
-        among 1..min(world, limit): `limit`, the instances that can run at once when they wait on one another),
-        the prompts in length-ranked order -> (args, instances, the ranked order or None, the choice or None)."""
-        world, order, choice = self.world if limit is None else max(1, min(self.world, limit)), None, None
-        if world > 1:
-            choice = self.scale(args[1], args[2] if len(args) > 2 else {}, world)
-            world = choice.chosen.instances if choice is not None else world
-            if self.policy.assign:
-                args, order = self.ranked(args, world)
-        return args, world, order, choice
-
-    def scale(self, prompts: Batch, attrs: Mapping[str, Any], world: int | None = None) -> ScaleChoice | None:
-        """How many instances generate this step: flowrl.elastic's argmin of cost_weight * T(N) / T_ref +
-        (1 - cost_weight) * C(N) / C_ref over N = 1..world, from the prompts' predicted lengths and this run's
-        measured seconds per decode step. None (all `world`) until a first generation was measured."""
-        if not self.decode or not self.policy.scale:
-            return None
-        predicted = self.predicted(prompts)
-        ids = [int(i) for i in prompts.meta.get("prompt_id", range(prompts.size))]
+               ) -> tuple[tuple[Any, ...], int, list[int] | None, GenerationPlan]:
+        """A generation's (model, prompts, attrs) over this pool, as flowrl.elastic's `plan_generation` decides
+        it (the simulator's call) among 1..min(world, limit) instances (`limit`: the instances that can run at once
+        when they wait on one another) -> (args with the prompts in the plan's order, the instance count, the
+        ranked order or None, the plan: its cost-aware choice and migration sink). `order[i]` is the original
+        position of the i-th prompt; each instance's contiguous shard (`dispatch.plan`) is one of the plan's runs."""
+        world = self.world if limit is None else max(1, min(self.world, limit))
+        prompts: Batch = args[1]
+        attrs = args[2] if len(args) > 2 else {}
         samples = int(str(attrs.get("n", 1))) if isinstance(attrs, Mapping) else 1
-        return choose_instances(predicted, samples, range(1, (world or self.world) + 1), DecodeCurve(self.decode),
-                                self.policy.cost_weight, start_s=self.overhead_s,
-                                profiles=self.lengths.predict_profiles(ids, samples, fallback=0.0)
-                                if self.policy.predict else None)
+        ids = [int(i) for i in prompts.meta.get("prompt_id", range(prompts.size))]
+        predicted, profiles = predictions(self.lengths, ids, samples, self.policy.predict)
+        p = self.policy
+        plan = plan_generation(predicted, samples, world, self.decode, self.overhead_s, p.cost_weight, p.tau,
+                               profiles, assign=p.assign, scale=p.scale)
+        order = None
+        if plan.ranked:
+            order = [i for run in plan.runs for i in run]
+            args = (args[0], prompts.select(order), *args[2:])
+        return args, max(1, plan.instances), order, plan
 
     def measure(self, results: Sequence[Any], used: Sequence[Usage], choice: ScaleChoice | None,
                 wall_s: float) -> dict[str, float]:
         """Learn seconds per decode step (by the samples an instance decoded) and the tasks' overhead from this
         generation -> the metrics: the choice and its predicted vs measured time and device-seconds."""
-        for out, u in zip(results, used, strict=True):
-            if isinstance(out, Batch) and out.size and "response_mask" in out.tensors:
-                steps = max(1, int(out["response_mask"].sum(1).max()))
-                per_step = u.run_s / steps
-                old = self.decode.get(out.size)
-                self.decode[out.size] = per_step if old is None else 0.5 * old + 0.5 * per_step
-        self.overhead_s = sum(u.held_s - u.run_s for u in used if not u.cold) / max(1, sum(not u.cold for u in used))
+        self.decode = learn_decode(self.decode, [
+            (out.size, int(out["response_mask"].sum(1).max()), u.run_s) for out, u in zip(results, used, strict=True)
+            if isinstance(out, Batch) and out.size and "response_mask" in out.tensors])
+        self.overhead_s = start_overhead([(u.held_s - u.run_s, u.cold) for u in used])
         g = f"scale/{self.name}/"
         metrics = {g + "instances": float(len(used)), g + "measured_T_s": wall_s,
                    g + "measured_C_s": sum(u.held_s for u in used)}
@@ -120,14 +101,6 @@ class Scaler:
                 metrics[f"{g}T_s@{c.instances}"] = c.time_s
                 metrics[f"{g}C_s@{c.instances}"] = c.device_s
         return metrics
-
-    def ranked(self, args: tuple[Any, ...], instances: int) -> tuple[tuple[Any, ...], list[int]]:
-        """The prompts reordered by predicted response length (shortest first), so each instance's contiguous
-        shard holds prompts of similar length; `order[i]` is the original position of the i-th prompt."""
-        prompts: Batch = args[1]
-        runs = ranked_runs(self.predicted(prompts), instances)
-        order = [i for run in runs for i in run]
-        return (args[0], prompts.select(order), *args[2:]), order
 
     def forward(self, method: str, rows: int, limit: int | None = None) -> tuple[int, ScaleChoice | None]:
         """A split call that is not a generation (a forward over a rollout): its instance count by the same cost
@@ -156,21 +129,6 @@ class Scaler:
         if warm:
             self.call_overhead[method] = sum(warm) / len(warm)
         return {f"scale/{self.name}/{method}_instances": float(len(used))}
-
-    def sink(self, shards: Sequence[Any]) -> int | None:
-        """A migrating generation's sink among its instances' prompt shards (`migration_sink`): each shard's
-        predicted work is its prompts' predicted response lengths summed."""
-        batches = [b for b in shards if isinstance(b, Batch)]
-        if len(batches) != len(shards):
-            return len(shards) - 1 if len(shards) > 1 else None
-        return migration_sink([sum(self.predicted(b)) for b in batches], [b.size for b in batches])
-
-    def predicted(self, prompts: Batch) -> list[float]:
-        """Each prompt's predicted response length (without prediction: the last batch's mean for all)."""
-        ids = [int(i) for i in prompts.meta.get("prompt_id", range(prompts.size))]
-        if not self.policy.predict:
-            return [self.lengths.mean] * len(ids)
-        return self.lengths.predict(ids, fallback=0.0)
 
     def restore_rows(self, rollout: Batch, order: list[int] | None) -> list[int] | None:
         """The row order `learn_and_restore` puts a ranked rollout back in (None: not ranked)."""

@@ -3,9 +3,11 @@
 Three recorded steps of seven prompts, two samples each (prompt lengths, response lengths, and the measured
 seconds per decode step at each instance batch; the first step's instances cold). Each step both sides decide
 the generation's instance count, each instance's prompts, the migration sink and the pre-warm plan, then
-learn from what the recorded step measured on the instances they chose. The backend's side is its own code
-(backends/serverless: `Scaler.shards`, `Scaler.sink`, `ServerlessGroup._role`, `Prewarmer`), without Ray; the simulator's is
-`backends/sim/rlhfless.py`.
+learn from what the recorded step measured on the instances they chose. The backend's side is its own code,
+without Ray (backends/serverless: `Scaler.shards` and `dispatch.plan` cutting its shards, `ServerlessGroup._role`
+for the sink, `Prewarmer.plan`, then `Scaler.measure`, `Scaler.learn_and_restore` and `Prewarmer.learn`); the
+simulator's is `backends/sim/rlhfless.py`. Both sides call the same flowrl.elastic functions; this checks that
+each passes them the same state and reads the same decisions back.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ from flowrl.backends.sim.rlhfless import RLHFless
 from flowrl.backends.sim.shapes import ModelShape
 from flowrl.backends.sim.work import Call, FlowWork
 from flowrl.backends.sim.workload import PromptWork, Step
-from flowrl.elastic import prewarm_plan
+from flowrl.elastic import ScaleChoice
+from flowrl.runtime import dispatch
 from flowrl.runtime.batch import Batch
 from flowrl.runtime.protocol import Usage
 
@@ -38,7 +41,8 @@ RESPONSES = (  # per step, per prompt: its two samples' response lengths
 )
 # measured seconds a decode step, by an instance's batch (rows decoded together)
 DECODE_S = {2: 0.010, 4: 0.012, 6: 0.020, 8: 0.030, 10: 0.040, 12: 0.050, 14: 0.060}
-COLD_START_S, LOAD_S, OFFSET_S = 2.0, 0.25, 0.02  # a cold instance's build, every instance's load; first call's
+# a cold instance's build, every instance's load, and the step's start to its first generation call (seconds)
+COLD_START_S, LOAD_S, OFFSET_S = 2.0, 0.25, 2.5
 WORLD, SAMPLES = 3, 2
 
 
@@ -59,24 +63,30 @@ def instance_runs(step: int, runs: list[list[int]]) -> list[tuple[int, int, floa
     return out
 
 
+def scores(choice: ScaleChoice | None) -> tuple[float, ...] | None:
+    """A cost-aware choice as numbers: the count chosen, its predicted T and C, every candidate's score."""
+    if choice is None:
+        return None
+    return (choice.chosen.instances, choice.chosen.time_s, choice.chosen.device_s,
+            *(c.score for c in choice.candidates))
+
+
 def backend_step(group: ServerlessGroup, step: int) -> dict[str, object]:
     """The backend's decisions for one step, then what it learns from the recorded measurements."""
     prompts = Batch(len(IDS), {"prompt_ids": torch.arange(len(IDS))[:, None]}, {"prompt_id": list(IDS)})
-    args, world, order, choice = group.scaler.shards(("actor", prompts, {"n": SAMPLES}))
+    args, world, order, plan = group.scaler.shards(("actor", prompts, {"n": SAMPLES}))
+    choice = plan.choice
     positions = order if order is not None else list(range(len(IDS)))
-    shards = [s.size for s in args[1].split(world)]  # what dispatch.plan sends each instance
+    calls = dispatch.plan("generate", args, {"step_seed": step}, "split", world).calls  # what each instance gets
     runs, at = [], 0
-    for size in shards:
-        runs.append(positions[at:at + size])
-        at += size
-    sink = group.scaler.sink(args[1].split(world))
-    roles = [group._role(rank, len(runs), "box", sink) for rank in range(len(runs))]
+    for c in calls:
+        runs.append(positions[at:at + c.args[1].size])
+        at += c.args[1].size
+    roles = [group._role(c.rank, len(calls), "box", plan.sink) for c in calls]
     sinks = [rank for rank, r in enumerate(roles) if r is not None and r.sources]
     decided = {"instances": len(runs), "runs": runs, "sink": sinks[0] if sinks else None,
-               "choice": None if choice is None else (choice.chosen.instances, choice.chosen.time_s,
-                                                      choice.chosen.device_s),
-               "prewarm": prewarm_plan(group.prewarm.offsets, group.prewarm.ready_s, group.prewarm.needed,
-                                       group.prewarm.margin_s, group.prewarm.enabled)}
+               "choice": scores(choice),
+               "prewarm": group.prewarm.plan()}
     measured = instance_runs(step, runs)
     results, used = [], []
     for run, (k, _, run_s, _, cold) in zip(runs, measured, strict=True):
@@ -101,8 +111,7 @@ def sim_step(pol: RLHFless, step: int) -> dict[str, object]:
     plan = pol.decide(recorded(step))
     pool = pol.pools["generation"]
     decided = {"instances": plan.instances, "runs": [list(r) for r in plan.runs], "sink": plan.sink,
-               "choice": None if plan.choice is None else (plan.choice.chosen.instances, plan.choice.chosen.time_s,
-                                                           plan.choice.chosen.device_s),
+               "choice": scores(plan.choice),
                "prewarm": pool.plan(pol.opts.margin_s, pol.opts.prewarm)}
     measured = instance_runs(step, [list(r) for r in plan.runs])
     pol.learn(recorded(step), measured)
@@ -140,6 +149,7 @@ def test_one_recorded_run_gives_the_backend_and_the_simulator_the_same_decisions
     # choice, a sink, and pre-warming once the history said the first call had cold starts
     assert steps[0]["choice"] is None and steps[0]["instances"] == WORLD and steps[0]["prewarm"] is None
     assert steps[1]["choice"] is not None and steps[1]["sink"] is not None
-    assert steps[1]["prewarm"] == pytest.approx((0.0, WORLD))  # offsets 0.02 s leave less than a start: at once
+    # 2.5 s to the first call, less a cold start's 2.25 s and the 0.05 s margin: start all three 0.2 s in
+    assert steps[1]["prewarm"] == pytest.approx((0.2, WORLD))
     assert steps[2]["prewarm"] is None  # the second step's first call found its instances warm
     assert sorted(p for run in steps[1]["runs"] for p in run) == list(range(len(IDS)))  # type: ignore[union-attr]

@@ -90,8 +90,8 @@ def test_generation_is_assigned_by_predicted_length() -> None:
     group = ServerlessGroup("gen", "gen", Build((), (), 0, "cpu"), world=2, run_id="t")
     group.scaler.lengths.observe([10, 11, 12, 13], [40.0, 2.0, 30.0, 1.0])
     prompts = Batch(4, {}, {"prompt": ["a", "b", "c", "d"], "prompt_id": [10, 11, 12, 13]})
-    args, order = group.scaler.ranked(("actor", prompts, {}), 2)
-    assert order == [3, 1, 2, 0] and args[1].meta["prompt_id"] == [13, 11, 12, 10]
+    args, world, order, _ = group.scaler.shards(("actor", prompts, {}))  # nothing measured yet: both instances
+    assert world == 2 and order == [3, 1, 2, 0] and args[1].meta["prompt_id"] == [13, 11, 12, 10]
     # what the instances return, merged: 2 samples a prompt, group ids in the shuffled order
     gids = torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
     rollout = Batch(8, {"group_id": gids, "response_mask": torch.ones(8, 2)},
@@ -356,13 +356,14 @@ def test_the_prefill_plan_shares_a_prefix_across_the_step_and_learns_from_misses
     the others take it; "local": each computes it; "auto" keeps handing over while the measured handover is
     cheaper than recomputing, and stops once it is not (a taker that gave up on its owner counts as its wait)."""
     from flowrl.backends.serverless import prefill
+    from flowrl.elastic import PrefillRates
     from flowrl.models.tokenizer import CharTokenizer
     from flowrl.runtime.worker import PromptEncoder
 
     encoder = PromptEncoder(CharTokenizer("0123456789+="), 512)
     texts = ["12+34+56+78+90=" + q for q in ("1+1=", "2+2=", "3+3=", "4+4=", "5+")] + ["7=", "8="]
     sizes = [2, 2, 3]  # the last instance also holds two prompts without the preamble
-    measured = prefill.Measured()
+    measured = PrefillRates()
     shares, decided = prefill.plan_shares(encoder, texts, 8, 16, sizes, "handover", measured, "b", None)
     pre = tuple(encoder.ids(texts[:1], 8)[0][:16])  # BOS and the 15 characters
     assert [(s.compute, s.offer, s.take) for s in shares] == [((pre,), (pre,), ()), ((), (), ((0, (pre,)),)),

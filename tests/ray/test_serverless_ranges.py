@@ -12,7 +12,8 @@ import pytest
 
 import flowrl
 from flowrl.backends.serverless import ServerlessBackend
-from flowrl.backends.serverless.scaling import Policy, Scaler, migration_sink
+from flowrl.backends.serverless.scaling import Policy, Scaler
+from flowrl.elastic import migration_sink
 from flowrl.elastic.scale import DecodeCurve, choose_instances
 from flowrl.runtime.protocol import Usage
 
