@@ -7,7 +7,8 @@ learn from what the recorded step measured on the instances they chose. The back
 without Ray (backends/serverless: `Scaler.shards` and `dispatch.plan` cutting its shards, `ServerlessGroup._role`
 for the sink, `Prewarmer.plan`, then `Scaler.measure`, `Scaler.learn_and_restore` and `Prewarmer.learn`); the
 simulator's is `backends/sim/rlhfless.py`. Both sides call the same flowrl.elastic functions; this checks that
-each passes them the same state and reads the same decisions back.
+each passes them the same state and reads the same decisions back. The deduplicated prefill is decided alike
+too: from prompt texts on the backend's side, from the workload's prefix lengths on the simulator's.
 """
 
 from __future__ import annotations
@@ -119,12 +120,13 @@ def sim_step(pol: RLHFless, step: int) -> dict[str, object]:
     return decided
 
 
-def simulator() -> RLHFless:
+def simulator(dedup: str = Policy().dedup) -> RLHFless:
     shape = ModelShape("toy", layers=2, hidden=64, heads=4, kv_heads=4, ffn=256, vocab=100)
-    work = FlowWork("recorded", {"actor": shape}, Call("gen", "generate", "actor"), (), (), len(IDS), SAMPLES, 64)
+    gen = Call("gen", "generate", "actor", share_prefix=True)
+    work = FlowWork("recorded", {"actor": shape}, gen, (), (), len(IDS), SAMPLES, 64)
     cluster = replace(load_cluster("h100"), nodes=1, per_node=WORLD)
     opts = policies.Options(gen_tp=1, cost_weight=Policy().cost_weight, tau=Policy().tau,
-                            margin_s=Policy().margin_s, prewarm=Policy().prewarm)
+                            margin_s=Policy().margin_s, prewarm=Policy().prewarm, dedup=dedup)
     return RLHFless(CostModel(cluster, Factors()), work, opts)
 
 
@@ -153,3 +155,43 @@ def test_one_recorded_run_gives_the_backend_and_the_simulator_the_same_decisions
     assert steps[1]["prewarm"] == pytest.approx((0.2, WORLD))
     assert steps[2]["prewarm"] is None  # the second step's first call found its instances warm
     assert sorted(p for run in steps[1]["runs"] for p in run) == list(range(len(IDS)))  # type: ignore[union-attr]
+
+
+PREAMBLE = "12+34+56+78+90="  # with the tokenizer's BOS, 16 prompt tokens shared (prefix_min_len 16)
+OPENINGS = ("1+1=", "7=", "2+2=", "3+3=", "8=", "4+4=", "9+")  # the preamble opens prompts 0, 2, 3 and 5
+RUNS = ((4, 0, 6), (2, 5), (1, 3))  # each instance's prompts (positions), as a plan ran them
+
+
+@pytest.mark.parametrize("mode, rates, handing", [
+    ("auto", (None, None), True),  # unmeasured: hand over, which measures it
+    ("auto", (0.001, 0.004), True),  # recomputing 16 tokens (16 ms) costs more than a handover (4 ms)
+    ("auto", (0.001, 0.032), False),  # ... less than one: each computes it
+    ("handover", (0.001, 0.032), True), ("local", (None, None), False)])
+def test_the_deduplicated_prefill_is_decided_alike(mode: str, rates: tuple[float | None, float | None],
+                                                   handing: bool) -> None:
+    """One step's prompts on three instances, a preamble on prompts held by all three: the backend's
+    `prefill.plan_shares` (tokenizing the prompts) and the simulator's (the workload's prefix lengths) name the
+    same owner, the same takers, the same hand-over decision and patience, from the same learned rates."""
+    from flowrl.backends.serverless import prefill
+    from flowrl.backends.sim.policies import seqs_of
+    from flowrl.elastic import PrefillRates
+    from flowrl.models.tokenizer import CharTokenizer
+    from flowrl.runtime.worker import PromptEncoder
+
+    texts = [(PREAMBLE if o[0] in "1234" else "") + o for o in OPENINGS]
+    encoder = PromptEncoder(CharTokenizer("0123456789+="), 512)
+    shares, decided = prefill.plan_shares(encoder, [texts[p] for run in RUNS for p in run], 8, 16,
+                                          [len(run) for run in RUNS], mode, PrefillRates(*rates), "b", None)
+    theirs = [(sum(len(t) for t in s.compute), tuple((o, sum(len(t) for t in ts)) for o, ts in s.take), s.patience_s)
+              for s in shares]
+    pol = simulator(dedup=mode)
+    pol.rates = PrefillRates(*rates)
+    step = tuple(PromptWork(i, len(t) + 1, (4, 4), 16 if t.startswith(PREAMBLE) else 0)
+                 for i, t in zip(IDS, texts, strict=True))
+    parts = pol._prefixes(step, RUNS, seqs_of(step))
+    assert parts is not None
+    ours = [(p.compute, p.take, p.patience_s) for p in parts]
+    assert ours == theirs
+    assert decided["handover"] == float(handing)
+    # the owner is the first instance holding the preamble's prompts (instance 0 holds prompt 0)
+    assert ours[0][0] == 16 and [bool(t) for _, t, _ in ours] == [False, handing, handing]
