@@ -35,8 +35,8 @@ def folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 def test_a_reward_that_raises_names_the_template_line_and_the_use(folder: Path,
                                                                   capsys: pytest.CaptureFixture[str]) -> None:
-    (folder / "my_rewards.py").write_text("def bad(prompt, response, **row):\n    return 1 / 0\n")
-    (folder / "f.flow").write_text(MODELS + 'reward r = "my_rewards.bad"\nuse grpo(reward = r, group = 2, '
+    (folder / "cli_raising_rewards.py").write_text("def bad(prompt, response, **row):\n    return 1 / 0\n")
+    (folder / "f.flow").write_text(MODELS + 'reward r = "cli_raising_rewards.bad"\nuse grpo(reward = r, group = 2, '
                                             "max_tokens = 2)\n")
     assert main(["run", "f.flow", "--steps", "1", "--quiet", "--out", "out"]) == 1
     err = capsys.readouterr().err
@@ -46,15 +46,15 @@ def test_a_reward_that_raises_names_the_template_line_and_the_use(folder: Path,
 
 def test_a_user_function_that_raises_is_hinted_at_its_own_line(folder: Path,
                                                                capsys: pytest.CaptureFixture[str]) -> None:
-    (folder / "my_fns.py").write_text("import flowrl\n\n\n@flowrl.function()\ndef boom(scores):\n"
+    (folder / "cli_raising_fns.py").write_text("import flowrl\n\n\n@flowrl.function()\ndef boom(scores):\n"
                                       "    raise ValueError('no baseline today')\n")
-    (folder / "g.flow").write_text('import "my_fns"\n' + MODELS + 'reward r = "flowrl.rewards.arith_exact"\n'
+    (folder / "g.flow").write_text('import "cli_raising_fns"\n' + MODELS + 'reward r = "flowrl.rewards.arith_exact"\n'
                                    "step {\n    rollout = actor.generate(prompts, n = 2, max_tokens = 2)\n"
                                    "    scores = r(rollout)\n    adv = boom(scores)\n"
                                    "    actor.update(rollout, advantages = adv)\n}\n")
     assert main(["run", "g.flow", "--steps", "1", "--quiet", "--out", "out"]) == 1
     assert capsys.readouterr().err == ("error: while executing adv = boom(scores)  # g.flow:9: ValueError: no "
-                                       "baseline today\nhint: raised at my_fns.py:6 in boom\n")
+                                       "baseline today\nhint: raised at cli_raising_fns.py:6 in boom\n")
 
 
 def test_a_traceback_inside_flowrl_alone_names_no_path() -> None:
