@@ -116,18 +116,20 @@ def _check_batches(rep: Reporter, flow: Flow) -> None:
         batch = d.options.get("batch")
         if not rows or not isinstance(batch, int) or batch <= rows:
             continue
-        # A warning, not an error: such a step repeats prompts, which small test flows rely on; said before the
-        # first step, so a batch of 100,000 from 64 rows no longer runs for minutes without a word.
+        # A batch the flow wrote past its data is an error (a batch of 100,000 from 64 rows ran for minutes,
+        # every prompt repeated in every step); the default batch past a small data set is a warning: the flow
+        # asked for no size, and a step that repeats prompts still runs (small test flows rely on it).
         at = flow.data_blocks.get(d.name, {}).get("batch")
         repeats = -(-batch // rows)
         why = (f"`batch = {batch}` prompts a step is more than the {rows} rows of {flow.shown[d.name]}"
                + (" (after `limit`)" if d.options.get("limit") else "")
-               + f": each step repeats prompts (up to {repeats} times each)")
+               + f": each step would repeat prompts (up to {repeats} times each)")
         hint = f"a step of different prompts takes at most `batch = {rows}`; or add rows"
         if at is not None:
-            rep.warn(at.src, why, at.entry.value, hint=hint)
+            rep.error(at.src, why, at.entry.value, hint=hint)
         else:  # the default batch, which the flow never wrote: point at the data declaration
-            rep.warn(flow.src, why.replace("`batch", "the default `batch"), flow.data_decls[d.name].name, hint=hint)
+            rep.warn(flow.src, why.replace("`batch", "the default `batch").replace("would repeat", "repeats"),
+                     flow.data_decls[d.name].name, hint=hint)
 
 
 # What check_engine says about this machine or about a graph still worth compiling to look at (a vLLM flow

@@ -3,8 +3,9 @@
 `flowrl check NAME.flow` must reject each with the full located message in NAME.expected (`{HERE}` stands for the
 folder, `{TORCH}` for torch's version), and `flowrl run NAME.flow` must print the very same message, exit 1 and
 show no traceback: what `run` would reject for the flow's own sake, `check` rejects first. The `warn_*` flows are
-valid: `check` prints their warning and exits 0, and `run` prints it before its first step (a batch larger than
-its data is one: a step then repeats prompts, which small flows rely on; GRPO with groups of one another).
+valid: `check` prints their warning and exits 0, and `run` prints it before its first step (the default batch
+larger than a small data set is one: a step then repeats prompts, which small flows rely on; GRPO with groups of
+one another; a batch the flow writes past its data is an error).
 Both verbs go through the CLI's entry point (`flowrl.cli.main`) in this process.
 """
 
@@ -41,10 +42,10 @@ def in_broken(monkeypatch: pytest.MonkeyPatch) -> Path:
 def test_every_row_of_the_issue_has_a_broken_flow() -> None:
     rows = {"heads_not_dividing_dim", "tiny_unknown", "lr_negative", "dim_zero", "device_cuda", "batch_zero",
             "group_zero", "max_tokens_negative", "max_tokens_past_context", "charset_missing",
-            "hf_missing_absolute", "hf_missing_relative", "device_gpu", "dtype_unknown"}
+            "hf_missing_absolute", "hf_missing_relative", "device_gpu", "dtype_unknown", "batch_past_data"}
     assert rows <= {Path(n).stem for n in FLOWS}
-    # runs, but says so before the first step: GRPO groups of one, a batch far larger than its data
-    assert {"warn_group_one.flow", "warn_batch_past_data.flow"} <= set(WARNED)
+    # runs, but says so before the first step: GRPO groups of one, the default batch past a small data set
+    assert {"warn_group_one.flow", "warn_default_batch_past_data.flow"} <= set(WARNED)
 
 
 @pytest.mark.parametrize("name", FLOWS)

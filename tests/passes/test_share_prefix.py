@@ -53,7 +53,7 @@ def _prompts_from_a_function(g: Graph) -> Graph:
 REFUSALS: list[tuple[str, dict[str, Any], Callable[[Graph], Graph], str]] = [
     ("engine", dict(actor_extra=', engine = "vllm"'), lambda g: g,
      "rollout: not shared: actor uses engine 'vllm', which manages its own prefix cache"),
-    ("short prompts", dict(prompts=["1+2=", "3+4="]), lambda g: g,
+    ("short prompts", dict(prompts=["1+2=", "3+4="], batch=2), lambda g: g,
      "rollout: not shared: every prompt in `prompts` is at most 5 tokens, under prefix_min_len = 16"),
     ("n=1, prompts made in the step", dict(n=1), _prompts_from_a_function,
      "rollout: not shared: n = 1 and the prompts are not read from a data file, so no prefix is known to repeat"),
