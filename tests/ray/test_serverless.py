@@ -225,7 +225,9 @@ def test_a_source_hands_over_exactly_its_unfinished_sequences_and_the_sink_ends_
     graph = _long_grpo(split_grpo, tmp_path)
     attrs = dict(next(n for n in graph.nodes if n.op == "generate").attrs)
     worker = ModelWorker((graph.model("actor"),), graph.models, seed=5, device="cpu")
-    prompts = Batch(4, {}, {"prompt": ["1+2=", "3+3=", "0+1=", "2+2="], "prompt_id": [0, 1, 2, 3]})
+    # numbered in the step's batch as the controller numbers them: each row's random stream is keyed by its slot
+    prompts = Batch(4, {}, {"prompt": ["1+2=", "3+3=", "0+1=", "2+2="], "prompt_id": [0, 1, 2, 3],
+                            "prompt_slot": [0, 1, 2, 3]})
     source, sink = prompts.select([0, 1]), prompts.select([2, 3])
     mailbox = remote_mailbox.remote()
     cut = migrate.generate(worker, "actor", source, attrs, step_seed=11, first_prompt=0,
