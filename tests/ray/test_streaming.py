@@ -112,7 +112,12 @@ def test_a_rank_lost_mid_stream_is_rebuilt_and_the_stage_runs_again_with_the_sam
         flow_text: Any, tmp_path: Path) -> None:
     """Rank 1 of the generating group dies while streaming step 2's chunks (the test hook exits its process once
     its stream handed over a chunk): the group is rebuilt from the weights it held (step 1's update replayed),
-    the fused stage runs again from its start with the same seeds, and the run ends with the undisturbed metrics."""
+    the fused stage runs again from its start with the same seeds and gives the undisturbed run's numbers, and the
+    run goes on to step 3 without another retry. Step 3's numbers are not compared: they are not reproducible even
+    between two undisturbed runs (three fault-free runs measured: step 1's kl_mean -2.7e-9 vs -1.4e-9, the rounding
+    of the streamed chunks' forwards, whose make-up depends on timing; AdamW turns step 1's near-zero gradient,
+    grad_norm ~1e-9, into a full lr-sized step, so by step 3 a sample flips: gen_tokens 225 vs 220, kl_mean
+    -5.5e-4 vs 5.4e-4, the very failure this test showed ~2 runs in 5)."""
     from flowrl.backends.ray import RayBackend
 
     text = flow_text(steps=3, max_tokens=20, replicas=2, placement=PLACED)
@@ -127,4 +132,5 @@ def test_a_rank_lost_mid_stream_is_rebuilt_and_the_stage_runs_again_with_the_sam
     assert restarts == [0, 1, 1]
     assert [r.get("fault/stage_retries", 0.0) for r in hurt] == [0.0, 1.0, 0.0]
     assert all("fusion/fallback" not in r for r in hurt)
-    _same(whole, [{k: v for k, v in r.items() if not k.startswith("fault/")} for r in hurt])
+    assert len(hurt) == len(whole) == 3
+    _same(whole[:2], [{k: v for k, v in r.items() if not k.startswith("fault/")} for r in hurt[:2]])
