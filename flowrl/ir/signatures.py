@@ -296,6 +296,7 @@ KEY_LIMITS: dict[str, dict[str, Limit]] = {
         "cost_weight": Limit(0, 1, why="1 buys the fastest generation, 0 the fewest device-seconds"),
         "prewarm_margin": Limit(0, why="seconds before the stage"),
         "migrate_at": Limit(0, 1, above=True, why="1 never migrates"),
+        "acquire_timeout": Limit(0, above=True, why="seconds a pool may wait for its lower bound on a joined cluster"),
         "gpu_hour": Limit(0, why="a price per hour; 0 leaves money out of the cost report"),
         "cpu_hour": Limit(0, why="a price per hour; 0 leaves money out of the cost report"),
     },
