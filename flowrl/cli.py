@@ -237,7 +237,10 @@ def cmd_show(args: argparse.Namespace) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     import flowrl
     from flowrl import backends
+    from flowrl.runtime import interrupt
     from flowrl.runtime.progress import Progress
+
+    interrupt.install()
 
     for flag, value, least in (("--steps", args.steps, 1), ("--seed", args.seed, 0)):
         if value is not None and value < least:  # the run block's own limits (flowrl.ir.signatures.KEY_LIMITS)

@@ -28,7 +28,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from flowrl.backends.ray.actor import RankActor
 from flowrl.errors import FlowError
 from flowrl.ir.graph import ModelDecl, Node
-from flowrl.runtime import dispatch
+from flowrl.runtime import dispatch, interrupt
 from flowrl.runtime.batch import Batch
 from flowrl.runtime.chunks import STREAMS
 from flowrl.runtime.protocol import RankLostError, StreamedStage, WorkerGroup
@@ -246,6 +246,7 @@ class RayWorkerGroup:
                 values = self._gather(pending, plan.method)
                 break
             except RankLost as lost:
+                interrupt.check()  # a rank Ctrl-C killed is not brought back
                 if attempt == MAX_RESTARTS:
                     raise WorkerLostError(f"worker group {self.name}: a rank died {attempt + 1} times running "
                                           f"{plan.method}; giving up ({lost})") from None

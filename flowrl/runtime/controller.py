@@ -12,6 +12,7 @@ from typing import Any
 from flowrl.data.jsonl import PromptLoader
 from flowrl.errors import Diagnostic, ExecutionError, FlowError, user_frame_hint
 from flowrl.ir.graph import Graph, Node
+from flowrl.runtime import interrupt
 from flowrl.runtime.batch import Batch, training_batch
 from flowrl.runtime.functions import call_function
 from flowrl.runtime.fusion import StageRun, run_stage
@@ -120,6 +121,7 @@ class Controller:
             try:
                 return run_stage(self, node, values, step, metrics)
             except RankLostError as lost:
+                interrupt.check()  # a rank Ctrl-C killed is not brought back
                 if attempt == MAX_STAGE_RETRIES:
                     raise
                 group = self.groups.get(str(lost.group))

@@ -22,7 +22,7 @@ from flowrl.data.jsonl import PromptLoader, read_jsonl
 from flowrl.errors import Diagnostic, FlowError
 from flowrl.ir.graph import Graph
 from flowrl.ir.printer import to_json_text, to_text
-from flowrl.runtime import cost, report
+from flowrl.runtime import cost, interrupt, report
 from flowrl.runtime.ahead import Ahead, async_node
 from flowrl.runtime.controller import Controller, Span
 from flowrl.runtime.protocol import Backend, WorkerGroup
@@ -129,6 +129,7 @@ def run(graph: Graph, *, out_dir: str | Path, backend: Backend, steps: int | Non
         meter = cost.CostMeter(pools, starting_s=starting, clock=time.perf_counter(), wall=wall0,
                                reserving=be if isinstance(be, cost.Reserving) else None)
         for step in range(start + 1, total + 1):
+            interrupt.check()  # Ctrl-C whose KeyboardInterrupt a library swallowed still ends the run here
             began = time.perf_counter()
             be.begin_step(step)
             res = ahead.step(step) if ahead is not None else ctl.step(step)
