@@ -41,6 +41,7 @@ class EnvSpec:
     call: str = ""  # tool only: the marker that opens the tool's arguments (`end` is `stop[0]`)
     imports: tuple[str, ...] = ()  # modules the flow imports (`import "..."`), imported first in each worker
     folder: str = "."  # the flow file's folder, put on sys.path in each worker
+    overlap: bool = True  # False: the barrier loop (every sample's turn, then every environment, then the next turn)
     options: Mapping[str, Any] = field(default_factory=dict)  # other keys of the block, passed to the class
 
 
