@@ -1,0 +1,375 @@
+"""Multi-turn generation for the torch engine (flowrl.engines): one state machine per sample on the continuous
+decode batch, acting in an environment (flowrl.envs) between turns.
+
+`generate_turns` is `generate` for trajectories. A sample decodes its turn in the shared batch; at a stop text,
+EOS or `max_tokens` it leaves the batch with its KV cache kept (flowrl.engines.turn_cache) and its action goes
+to `Envs.step`, a future. The others keep decoding; between decode steps the loop looks at `Future.done()`, and
+a sample whose observation is back has only its new tokens (the action's last token, not yet fed, and the
+observation's own `tokenizer.encode`) prefilled onto its kept cache, together with any others returning at that
+step, then rejoins the batch. Only when nothing is left to decode does the loop wait on the environments (that
+wait is `idle_s`). Token-in/token-out: the ids returned are exactly the ids sampled and the ids observed, and no
+history is re-tokenised or run again (`prefill_tokens` = prompt + observations).
+
+Sampling: a trajectory's token t of turn k draws from the stream of (seed, prompt slot, sample, turn k) at step
+t (`turn_keys`, over flowrl.engines.sampling's keys), so samples depend on neither the batch make-up nor the
+environments' timing. `overlap=False` is the barrier loop (the benchmark's baseline), the same code with the
+polling switched off: every live sample ends its turn, then every pending environment call is awaited, then all
+observations are prefilled together: the same samples, later.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Hashable, Mapping, Sequence
+from concurrent.futures import ALL_COMPLETED, FIRST_COMPLETED, Future, wait
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from flowrl.engines.generation import check_sampling_args, left_pad_prompts, prefill_prompts
+from flowrl.engines.sampling import MASK32, Sampler, mix32, row_keys, sampling_seed, slots_of
+from flowrl.engines.turn_cache import RowKV, pack, prefill, row_length, unpack
+from flowrl.envs.protocol import Envs, Outcome
+from flowrl.models.build import cache_kw
+from flowrl.models.tokenizer import Tokenizer
+
+__all__ = ["ENDED", "TurnOutput", "generate_turns", "turn_keys"]
+
+ENDED = ("done", "max_turns", "eos", "length", "error")
+_TURN_SALTS = (0x27D4EB2F, 0x165667B1)
+
+
+@dataclass(frozen=True)
+class TurnOutput:
+    """Trajectories: the n samples of prompt 0 first, then prompt 1, ...; N = B * n rows, tensors on CPU.
+    A response is [reset observation][action 0][observation 0][action 1]..."""
+
+    prompt_ids: Tensor  # (N, P) left-padded
+    prompt_mask: Tensor  # (N, P)
+    response_ids: Tensor  # (N, T) right-padded
+    response_mask: Tensor  # (N, T) 1 on every real token, actions and observations
+    loss_mask: Tensor  # (N, T) 1 on generated tokens only
+    logprobs: Tensor  # (N, T) sampling log-probs; 0 on observations and pads
+    turn_index: Tensor  # (N, T) long: turn k on its action and the observation after it (reset obs: 0); -1 pads
+    turn_rewards: Tensor  # (N, T) float: turn k's reward at its last action token
+    response_lens: Tensor  # (N,)
+    prompt_index: Tensor  # (N,)
+    turns: Tensor  # (N,) long: actions taken
+    calls: Tensor  # (N,) long: steps answered with done False and no error
+    errors: Tensor  # (N,) long: reset and step outcomes with an error
+    timeouts: Tensor  # (N,) long
+    prefill_tokens: Tensor  # (N,) long: prompt + observation tokens
+    step_seconds: list[list[float]]  # per trajectory: each environment call's Outcome.seconds (reset first)
+    ended: list[str]  # one of ENDED per trajectory
+    idle_s: float  # seconds with nothing to decode while environments were pending
+    wall_s: float  # seconds of the whole call
+
+
+def turn_keys(keys: Tensor, turns: Tensor | int) -> Tensor:
+    """(R, 2) stream keys of turn `turns` (an int, or (R,)) of the rows keyed `keys` (flowrl.engines.sampling's
+    `row_keys`): the same mixer, so each turn of each sample is its own independent stream."""
+    t = torch.as_tensor(turns, dtype=torch.long, device=keys.device).expand(keys.shape[0])
+    words = [mix32(mix32((t & MASK32) ^ salt) ^ keys[:, w]) for w, salt in enumerate(_TURN_SALTS)]
+    return torch.stack(words, dim=1)
+
+
+@dataclass
+class _Traj:
+    """One trajectory's state: its tokens so far and where it is (decoding, waiting on its env, ended)."""
+
+    key: Hashable
+    stream: Tensor  # (2,) its sample's stream key
+    cap: int  # most response tokens (max_total)
+    prefill: int  # prompt tokens prefilled
+    ids: list[int] = field(default_factory=list)
+    gen: list[int] = field(default_factory=list)  # 1 on sampled tokens
+    logp: list[float] = field(default_factory=list)
+    turn_of: list[int] = field(default_factory=list)
+    reward: dict[int, float] = field(default_factory=dict)  # response index -> turn reward
+    kv: RowKV | None = None  # kept cache while out of the batch
+    logits: Tensor | None = None  # (V,) next-token scores, when known out of the batch
+    feed: list[int] = field(default_factory=list)  # tokens to prefill before the next draw
+    turn: int = 0  # actions taken
+    t: int = 0  # tokens of the current turn
+    turn_key: Tensor | None = None  # (2,)
+    turn_start: int = 0
+    turn_end: str = ""  # why the last turn ended: "eos" | "stop" | "max_tokens" | "length"
+    future: Future[Outcome] | None = None
+    calls: int = 0
+    errors: int = 0
+    timeouts: int = 0
+    step_s: list[float] = field(default_factory=list)
+    ended: str = ""
+
+
+@dataclass
+class _Batch:
+    """The continuous decode batch: its members' rows in a buffered cache, rebuilt when rows join."""
+
+    members: list[int]  # trajectory index of each row
+    cache: Any
+    attn: Tensor  # (R, capacity) 0 on each row's left padding
+    length: int  # cache slots in use per row
+    pos: Tensor  # (R,) position of each row's next fed token
+    logits: Tensor  # (R, V) scores of each row's next token
+
+
+@dataclass(frozen=True)
+class _Limits:
+    max_tokens: int
+    max_turns: int
+    stop: tuple[str, ...]
+    eos: int
+    pad: int
+
+
+def generate_turns(module: nn.Module, tokenizer: Tokenizer, prompts: Sequence[Sequence[int]],
+                   rows: Sequence[Mapping[str, Any]], envs: Envs, *, n: int = 1, max_tokens: int, max_turns: int,
+                   max_total: int | None = None, stop: Sequence[str] = (), min_tokens: int = 0,
+                   temperature: float = 1.0, top_p: float = 1.0, seed: int | None = None,
+                   prompt_slots: Sequence[int] | None = None, overlap: bool = True,
+                   device: str | torch.device = "cpu") -> TurnOutput:
+    """Sample `n` trajectories per prompt in `envs` (one environment per trajectory, keyed (prompt slot, j),
+    reset with `rows[i]`). A turn is at most `max_tokens` tokens and ends at a stop text (part of the action),
+    EOS or `max_tokens`; every turn end calls the environment. A trajectory ends when the outcome says done
+    ("done", or "error" when it carries an error), after `max_turns` actions ("max_turns"), at EOS ("eos"), or
+    when the response would pass `max_total` tokens ("length"; default: the model's positions minus the prompt;
+    an observation is appended only if one action token still fits after it). `min_tokens` bans EOS in each
+    turn's first tokens."""
+    check_sampling_args(prompts, n, max_tokens, min_tokens, temperature, top_p)
+    if len(rows) != len(prompts):
+        raise ValueError(f"generate_turns got {len(rows)} rows for {len(prompts)} prompts")
+    if max_turns < 1:
+        raise ValueError(f"max_turns must be >= 1, got {max_turns}")
+    if any(not s for s in stop):
+        raise ValueError("stop texts must be non-empty")
+    started = time.perf_counter()
+    dev = torch.device(device)
+    lim = _Limits(max_tokens, max_turns, tuple(stop), tokenizer.eos_id, tokenizer.pad_id)
+    slots = slots_of(prompt_slots, len(prompts))
+    streams = row_keys(sampling_seed(seed, None), slots, n, dev)  # (N, 2)
+    positions = _positions(module)
+    trajs: list[_Traj] = []
+    for i, prompt in enumerate(prompts):
+        room = positions - len(prompt) if positions else None
+        caps = [c for c in (max_total, room) if c is not None]
+        cap = min(caps) if caps else 1 << 30
+        if cap < 1:
+            raise ValueError(f"prompt {i} ({len(prompt)} tokens) leaves no room for a response")
+        trajs += [_Traj((slots[i], j), streams[i * n + j], cap, len(prompt)) for j in range(n)]
+    sampler = Sampler(temperature, top_p, min_tokens, lim.eos)
+
+    ids, mask = left_pad_prompts(prompts, lim.pad, dev)  # (B, P)
+    with torch.inference_mode():
+        pre = prefill_prompts(module, prompts, ids, mask, n=n, share=n > 1, extra=0, prefixes=None, pad=lim.pad)
+        kvs = unpack(pre.cache, pre.mask, pre.mask.shape[1], range(len(trajs)))
+    for i, tr in enumerate(trajs):
+        tr.kv, tr.logits = kvs[i], pre.logits[i]
+        tr.future = envs.reset(tr.key, rows[i // n])
+    waiting = list(range(len(trajs)))
+    batch: _Batch | None = None
+    idle = 0.0
+    with torch.inference_mode():
+        while True:
+            if batch is None:
+                if not waiting:
+                    break
+                began = time.perf_counter()
+                wait([_future(trajs[i]) for i in waiting], return_when=FIRST_COMPLETED if overlap else ALL_COMPLETED)
+                idle += time.perf_counter() - began
+            # The barrier loop looks at its environments only once the whole batch has ended its turns.
+            if waiting and (overlap or batch is None):
+                back = [i for i in waiting if _future(trajs[i]).done()]
+                waiting = [i for i in waiting if i not in back]
+                joining = [i for i in back if _settle(trajs[i], _future(trajs[i]).result(), lim, tokenizer, envs)]
+                if joining:
+                    batch = _join(module, trajs, batch, joining, lim)
+            if batch is None:
+                continue
+            batch, leaving = _decode_step(module, sampler, trajs, batch, lim, tokenizer)
+            for i in leaving:
+                tr = trajs[i]
+                tr.future = envs.step(tr.key, tokenizer.decode(tr.ids[tr.turn_start :]))
+                waiting.append(i)
+    return _output(trajs, prompts, n, ids, mask, lim.pad, idle, time.perf_counter() - started)
+
+
+def _future(tr: _Traj) -> Future[Outcome]:
+    assert tr.future is not None
+    return tr.future
+
+
+def _settle(tr: _Traj, out: Outcome, lim: _Limits, tokenizer: Tokenizer, envs: Envs) -> bool:
+    """Apply an environment's outcome to its trajectory: True when it goes on (its observation appended to
+    `feed`, to be prefilled), False when it ended (its environment released)."""
+    reset = tr.turn == 0
+    tr.future = None
+    tr.step_s.append(out.seconds)
+    if out.error is not None:
+        tr.errors += 1
+        tr.timeouts += int(out.timed_out)
+    if not reset:
+        last = len(tr.ids) - 1  # the turn's last action token
+        tr.reward[last] = tr.reward.get(last, 0.0) + float(out.reward)
+        tr.calls += int(not out.done and out.error is None)
+    obs = tokenizer.encode(out.observation) if not out.done else []
+    if out.done:
+        tr.ended = "error" if out.error is not None else "done"
+    elif not reset and tr.turn_end == "eos":
+        tr.ended = "eos"
+    elif tr.turn >= lim.max_turns:
+        tr.ended = "max_turns"
+    elif len(tr.ids) + len(obs) >= tr.cap:  # no room for the observation and one more action token
+        tr.ended = "length"
+    if tr.ended:
+        tr.kv = tr.logits = None
+        tr.feed = []
+        envs.release(tr.key)
+        return False
+    tr.ids += obs
+    tr.gen += [0] * len(obs)
+    tr.logp += [0.0] * len(obs)
+    tr.turn_of += [max(tr.turn - 1, 0)] * len(obs)
+    tr.feed += obs
+    tr.prefill += len(obs)
+    tr.turn_start, tr.t = len(tr.ids), 0
+    tr.turn_key = turn_keys(tr.stream[None], tr.turn)[0]
+    return True
+
+
+def _join(module: nn.Module, trajs: list[_Traj], batch: _Batch | None, joining: list[int], lim: _Limits) -> _Batch:
+    """Prefill the joining trajectories' new tokens onto their kept caches (one forward), then rebuild the
+    decode batch with them and the rows already in it."""
+    fed = [i for i in joining if trajs[i].feed]
+    if fed:
+        logits, kvs = prefill(module, [_kv(trajs[i]) for i in fed], [trajs[i].feed for i in fed], lim.pad)
+        for r, i in enumerate(fed):
+            trajs[i].kv, trajs[i].logits, trajs[i].feed = kvs[r], logits[r], []
+    if batch is not None:
+        kept = unpack(batch.cache, batch.attn, batch.length, range(len(batch.members)))
+        for r, i in enumerate(batch.members):
+            trajs[i].kv, trajs[i].logits = kept[r], batch.logits[r]
+    members = (batch.members if batch is not None else []) + joining
+    # A member stays at most max_tokens steps before leaving or the next rebuild: that is all the room needed.
+    cache, attn, width = pack(module, [_kv(trajs[i]) for i in members], lim.max_tokens)
+    pos = torch.tensor([row_length(_kv(trajs[i])) for i in members], dtype=torch.long, device=attn.device)
+    logits = torch.stack([_logits(trajs[i]) for i in members])  # (R, V)
+    for i in members:
+        trajs[i].kv = trajs[i].logits = None
+    return _Batch(members, cache, attn, width, pos, logits)
+
+
+def _kv(tr: _Traj) -> RowKV:
+    assert tr.kv is not None
+    return tr.kv
+
+
+def _logits(tr: _Traj) -> Tensor:
+    assert tr.logits is not None
+    return tr.logits
+
+
+def _decode_step(module: nn.Module, sampler: Sampler, trajs: list[_Traj], batch: _Batch, lim: _Limits,
+                 tokenizer: Tokenizer) -> tuple[_Batch | None, list[int]]:
+    """Sample one token for every row; rows whose turn ended leave (caches kept, their token to be fed with
+    the observation); the others are fed. Returns the batch (None once empty) and the leaving trajectories."""
+    members = batch.members
+    steps = torch.tensor([trajs[i].t for i in members], dtype=torch.long, device=batch.logits.device)
+    keys = torch.stack([_turn_key(trajs[i]) for i in members])  # (R, 2)
+    tok, lp = sampler(batch.logits, steps, keys)
+    tokens, logps = tok.tolist(), lp.tolist()
+    stay: list[int] = []
+    leave: list[int] = []
+    for r, i in enumerate(members):
+        tr = trajs[i]
+        tr.ids.append(tokens[r])
+        tr.gen.append(1)
+        tr.logp.append(logps[r])
+        tr.turn_of.append(tr.turn)
+        tr.t += 1
+        end = _turn_end(tr, tokens[r], lim, tokenizer)
+        if end:
+            tr.turn_end, tr.turn, tr.feed = end, tr.turn + 1, [tokens[r]]
+            leave.append(r)
+        else:
+            stay.append(r)
+    if leave:
+        for r, kv in zip(leave, unpack(batch.cache, batch.attn, batch.length, leave), strict=True):
+            trajs[members[r]].kv = kv
+    if not stay:
+        return None, [members[r] for r in leave]
+    if leave:
+        keep = torch.as_tensor(stay, dtype=torch.long, device=batch.attn.device)
+        batch.cache.batch_select_indices(keep)
+        batch.attn, batch.pos, tok = batch.attn[keep], batch.pos[keep], tok[keep]
+        batch.members = [members[r] for r in stay]
+    batch.length += 1
+    out = module(input_ids=tok[:, None], attention_mask=batch.attn[:, : batch.length],
+                 position_ids=batch.pos[:, None], use_cache=True, **cache_kw(module, batch.cache))  # fmt: skip
+    batch.logits = out.logits[:, -1].float()
+    batch.pos = batch.pos + 1
+    return batch, [members[r] for r in leave]
+
+
+def _turn_key(tr: _Traj) -> Tensor:
+    assert tr.turn_key is not None
+    return tr.turn_key
+
+
+def _turn_end(tr: _Traj, token: int, lim: _Limits, tokenizer: Tokenizer) -> str:
+    """Why the current turn ends at this token ("" if it goes on). A stop text is looked for in the decoded
+    text of the turn so far, so it is found whatever tokens spell it."""
+    if token == lim.eos:
+        return "eos"
+    if lim.stop:
+        text = tokenizer.decode(tr.ids[tr.turn_start :])
+        if any(s in text for s in lim.stop):
+            return "stop"
+    if len(tr.ids) >= tr.cap:
+        return "length"
+    return "max_tokens" if tr.t >= lim.max_tokens else ""
+
+
+def _positions(module: nn.Module) -> int | None:
+    config = getattr(module, "config", None)
+    for name in ("n_positions", "max_position_embeddings"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def _output(trajs: list[_Traj], prompts: Sequence[Sequence[int]], n: int, ids: Tensor, mask: Tensor, pad: int,
+            idle: float, wall: float) -> TurnOutput:
+    rows = len(trajs)
+    width = max(1, max(len(tr.ids) for tr in trajs))
+    resp = torch.full((rows, width), pad, dtype=torch.long)
+    resp_mask = torch.zeros((rows, width), dtype=torch.long)
+    loss = torch.zeros((rows, width), dtype=torch.long)
+    logp = torch.zeros((rows, width), dtype=torch.float32)
+    turn_index = torch.full((rows, width), -1, dtype=torch.long)
+    rewards = torch.zeros((rows, width), dtype=torch.float32)
+    for r, tr in enumerate(trajs):
+        k = len(tr.ids)
+        resp[r, :k] = torch.tensor(tr.ids, dtype=torch.long)
+        resp_mask[r, :k] = 1
+        loss[r, :k] = torch.tensor(tr.gen, dtype=torch.long)
+        logp[r, :k] = torch.tensor(tr.logp, dtype=torch.float32)
+        turn_index[r, :k] = torch.tensor(tr.turn_of, dtype=torch.long)
+        for at, value in tr.reward.items():
+            rewards[r, at] = value
+
+    def longs(values: list[int]) -> Tensor:
+        return torch.tensor(values, dtype=torch.long)
+
+    return TurnOutput(
+        prompt_ids=ids.cpu().repeat_interleave(n, dim=0), prompt_mask=mask.cpu().repeat_interleave(n, dim=0),
+        response_ids=resp, response_mask=resp_mask, loss_mask=loss, logprobs=logp, turn_index=turn_index,
+        turn_rewards=rewards, response_lens=resp_mask.sum(1), prompt_index=torch.arange(len(prompts)).repeat_interleave(n),
+        turns=longs([tr.turn for tr in trajs]), calls=longs([tr.calls for tr in trajs]),
+        errors=longs([tr.errors for tr in trajs]), timeouts=longs([tr.timeouts for tr in trajs]),
+        prefill_tokens=longs([tr.prefill for tr in trajs]), step_seconds=[tr.step_s for tr in trajs],
+        ended=[tr.ended for tr in trajs], idle_s=idle, wall_s=wall,
+    )  # fmt: skip
