@@ -153,18 +153,23 @@ METHODS: dict[str, dict[str, Signature]] = {
     "reward_model": {"score": SCORE},
 }
 
+# Credit of the group advantages: one advantage per trajectory, or per turn (flowrl.algos.turn_advantages).
+TURNS = ("trajectory", "turn")
+
 # Built-in step functions (implemented in flowrl.runtime.functions). User functions registered with
 # `@flowrl.function` get a signature built from their Python signature.
 FUNCTIONS: dict[str, Signature] = {
     "group_advantage": Signature(
         "group_advantage",
         (_n("scores"), Param("group", "int", required=True, limit=POSITIVE),
-         Param("norm_std", "bool", default=True), Param("eps", "float", default=1e-6, limit=NON_NEGATIVE)),
+         Param("norm_std", "bool", default=True), Param("eps", "float", default=1e-6, limit=NON_NEGATIVE),
+         Param("turns", "str", default="trajectory", choices=TURNS)),
         op="fn",
     ),
     "rloo_advantage": Signature(
         "rloo_advantage",
-        (_n("scores"), Param("group", "int", required=True, limit=POSITIVE)),
+        (_n("scores"), Param("group", "int", required=True, limit=POSITIVE),
+         Param("turns", "str", default="trajectory", choices=TURNS)),
         op="fn",
     ),
     "gae": Signature(
