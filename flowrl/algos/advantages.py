@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["gae", "grpo_advantages", "reinforce_pp_returns", "rloo_advantages", "whiten"]
+__all__ = ["gae", "group_baseline", "grpo_advantages", "reinforce_pp_returns", "rloo_advantages", "whiten"]
 
 
 def _group_index(group: int | Tensor, batch: int, device: torch.device) -> tuple[Tensor, Tensor]:
@@ -36,6 +36,25 @@ def _group_sum(x: Tensor, inverse: Tensor, num_groups: int) -> Tensor:
     return torch.zeros(num_groups, dtype=x.dtype, device=x.device).index_add_(0, inverse, x)
 
 
+def group_baseline(scores: Tensor, group: int | Tensor) -> tuple[Tensor, Tensor]:
+    """Each sample's group mean and unbiased group std of `scores` (B,) -> (mean (B,), std (B,)).
+
+    A group of one has no baseline: mean 0, std 1 there (verl's convention), so a centred, scaled value is the
+    score itself. Shared by `grpo_advantages` and the turn-level estimators (flowrl.algos.turns), so both
+    normalise with the same numbers.
+    """
+    scores = scores.detach()  # (B,)
+    inverse, counts = _group_index(group, scores.shape[0], scores.device)
+    n = counts.to(scores.dtype)  # (G,)
+    mean = _group_sum(scores, inverse, len(counts)) / n  # (G,)
+    centred = scores - mean[inverse]  # (B,)
+    # n - 1 is 0 for singleton groups; clamp only to keep the division finite, the value is replaced below.
+    var = _group_sum(centred * centred, inverse, len(counts)) / (n - 1).clamp(min=1)  # (G,)
+    single = (counts == 1)[inverse]  # (B,)
+    std = torch.where(single, torch.ones_like(scores), var.sqrt()[inverse])  # (B,)
+    return torch.where(single, torch.zeros_like(scores), mean[inverse]), std
+
+
 def grpo_advantages(
     scores: Tensor, group: int | Tensor, *, norm_std: bool = True, eps: float = 1e-6
 ) -> Tensor:
@@ -49,15 +68,8 @@ def grpo_advantages(
     there, so A = r; we do the same.
     """
     scores = scores.detach()  # (B,)
-    inverse, counts = _group_index(group, scores.shape[0], scores.device)
-    n = counts.to(scores.dtype)  # (G,)
-    mean = _group_sum(scores, inverse, len(counts)) / n  # (G,)
-    centred = scores - mean[inverse]  # (B,)
-    # n - 1 is 0 for singleton groups; clamp only to keep the division finite, the value is replaced below.
-    var = _group_sum(centred * centred, inverse, len(counts)) / (n - 1).clamp(min=1)  # (G,)
-    single = (counts == 1)[inverse]  # (B,)
-    std = torch.where(single, torch.ones_like(scores), var.sqrt()[inverse])  # (B,)
-    centred = torch.where(single, scores, centred)
+    mean, std = group_baseline(scores, group)  # (B,), (B,)
+    centred = scores - mean
     if not norm_std:
         return centred
     return centred / (std + eps)
@@ -82,17 +94,21 @@ def rloo_advantages(scores: Tensor, group: int | Tensor) -> Tensor:
 def reinforce_pp_returns(token_rewards: Tensor, mask: Tensor, gamma: float = 1.0) -> Tensor:
     """REINFORCE++ discounted returns G_t = sum_{k>=t} gamma^(k-t) r_k over valid tokens, (B, T) -> (B, T).
 
-    Masked positions contribute no reward and get return 0. The exponent counts positions, masked ones
-    included; that only matters for gamma != 1 with interior (non-trailing) masks. Note verl instead
-    *resets* the running return at every masked token. Whitening is separate: call `whiten` after.
+    Masked positions are skipped as if absent: they contribute no reward, get return 0, and the exponent
+    counts valid tokens only, so a trajectory with observation tokens inside its response gets the returns
+    of its compacted action-token sequence (the discount is per action, not per observed token). On right
+    padding alone this is the plain suffix recursion. Note verl instead *resets* the running return at every
+    masked token. Whitening is separate: call `whiten` after.
     """
     m = mask.to(token_rewards.dtype)  # (B, T)
     rewards = token_rewards.detach() * m  # (B, T)
     returns = torch.zeros_like(rewards)  # (B, T)
     running = torch.zeros_like(rewards[:, 0])  # (B,)
     for t in reversed(range(rewards.shape[1])):
-        running = rewards[:, t] + gamma * running
-        returns[:, t] = running * m[:, t]
+        m_t = m[:, t]
+        # A masked token passes the running return through untouched (no extra factor of gamma).
+        running = torch.where(m_t > 0, rewards[:, t] + gamma * running, running)
+        returns[:, t] = running * m_t
     return returns
 
 
@@ -103,11 +119,12 @@ def gae(
 
     delta_t = r_t + gamma * V_{t+1} - V_t;  A_t = delta_t + gamma * lam * A_{t+1};  R_t = A_t + V_t.
 
-    Masked tokens (padding, or tool/observation tokens inside a multi-turn response) are skipped with
-    verl's carry-forward rule: at a masked position the bootstrap value V_{t+1} and the running advantage
-    keep the values of the next valid token, so valid tokens see each other as if the masked ones were
-    absent. Like verl, the value stored at a masked position is the carried running advantage (0 on
-    trailing padding, so returns there equal V); the loss masks those entries anyway.
+    Masked tokens (padding, or observation tokens inside a multi-turn response) are skipped: at a masked
+    position the bootstrap value V_{t+1} and the running advantage keep the values of the next valid token,
+    so valid tokens see each other as if the masked ones were absent. The result on the valid tokens is GAE
+    on the compacted action-token sequence: rewards and values at masked positions are ignored (an
+    observation is not an action, so it has no delta of its own). Advantages and returns at masked positions
+    are 0 (verl stores the carried running advantage there; nothing may train on it, so we store nothing).
 
     Not whitened: the caller decides (see `whiten`).
     """
@@ -125,7 +142,8 @@ def gae(
         next_value = values[:, t] * m_t + (1 - m_t) * next_value
         last_gae = candidate * m_t + (1 - m_t) * last_gae
         advantages[:, t] = last_gae
-    return advantages, advantages + values
+    returns = (advantages + values) * m  # (B, T)
+    return advantages * m, returns
 
 
 def whiten(

@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["AGG_MODES", "IS_CORRECTIONS", "KL_KINDS", "aggregate", "behaviour_weights", "kl", "policy_loss",
-           "ppo_clip_loss", "value_loss"]
+__all__ = ["AGG_MODES", "IS_CORRECTIONS", "KL_KINDS", "aggregate", "behaviour_weights", "denominators", "kl",
+           "policy_loss", "ppo_clip_loss", "value_loss"]
 
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 
@@ -21,9 +21,29 @@ KL_KINDS = {"k1": "k1", "kl": "k1", "k2": "k2", "mse": "k2", "k3": "k3", "low_va
 
 
 def _masked_mean(x: Tensor, mask: Tensor) -> Tensor:
-    """Mean of `x` over entries where mask > 0; 0 when nothing is valid."""
+    """Mean of `x` over entries where mask > 0; 0 when nothing is valid. A non-finite value at a masked
+    entry (an observation token's log-prob, say) is dropped, not multiplied by 0 into NaN."""
     m = mask.to(x.dtype)
-    return (x * m).sum() / m.sum().clamp(min=1)
+    return torch.where(m > 0, x * m, torch.zeros_like(x)).sum() / m.sum().clamp(min=1)
+
+
+def denominators(response_mask: Tensor, loss_mask: Tensor | None = None) -> dict[str, float]:
+    """The mini-batch's `aggregate` denominators {num_tokens, num_seqs, horizon}, counted on the tokens the
+    loss trains on.
+
+    Without a `loss_mask` (a rollout without an environment): sum(response_mask), B, T, as the trainer has
+    always used. With one (B, T) (0 on observation tokens inside the response, and on padding):
+    num_tokens = sum(loss_mask) and horizon = the most action tokens of any row, the width of the batch once
+    observation tokens are taken out, so no mode counts an observation token: every mode then gives the same
+    loss as on the compacted action-only sequences. A multi-turn trajectory is one row (one sequence) however
+    many turns it has, so num_seqs stays B: turns do not multiply the update's samples.
+    """
+    rows = float(response_mask.shape[0])
+    if loss_mask is None:
+        return {"num_tokens": float(response_mask.sum()), "num_seqs": rows, "horizon": float(response_mask.shape[1])}
+    actions = (loss_mask > 0).sum(dim=1)  # (B,)
+    horizon = float(actions.max()) if actions.numel() else 0.0
+    return {"num_tokens": float(actions.sum()), "num_seqs": rows, "horizon": horizon}
 
 
 def _as_tensor(value: float | Tensor, like: Tensor) -> Tensor:
@@ -45,6 +65,11 @@ def aggregate(
     seq-mean-token-mean      sum_i [sum_t m*l / sum_t m] / num_seqs  (num_seqs defaults to B)
     seq-mean-token-sum       sum_i sum_t m*l / num_seqs
     seq-mean-token-sum-norm  sum(m*l) / horizon             (horizon defaults to T; no division by B, as verl)
+
+    `mask` is the LOSS mask: for a multi-turn trajectory, 0 on the observation tokens inside the response too
+    (not the attention mask); every count above is over its 1s, so masked tokens anywhere in a row count for
+    nothing. Only the horizon's default, T, is a width: pass `denominators(...)["horizon"]`, which counts
+    action tokens only.
 
     Passing the whole mini-batch's num_tokens / num_seqs (and a fixed horizon) to every micro-batch makes
     the micro-batch losses sum to the mini-batch loss: each denominator is then a constant, so the
@@ -243,7 +268,8 @@ def policy_loss(
     if ref_logp is not None and old_logp is None:
         with torch.no_grad():
             tokens = float(num_tokens) if num_tokens is not None else float(mask.sum())
-            metrics["kl_mean"] = float(((logp - ref_logp) * mask).sum()) / max(tokens, 1.0)
+            diff = torch.where(mask > 0, (logp - ref_logp) * mask, torch.zeros_like(logp))  # (B, T)
+            metrics["kl_mean"] = float(diff.sum()) / max(tokens, 1.0)
     if kl_coef and ref_logp is not None:
         kl_loss = aggregate(kl(logp, ref_logp, kl_kind), mask, agg, **denoms)
         loss = loss + kl_coef * kl_loss

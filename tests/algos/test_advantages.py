@@ -108,7 +108,7 @@ def test_gae_golden_right_padded() -> None:
     a, ret = gae(r, v, m, gamma=1.0, lam=0.95)
     close(a[:, :3], [[0.43675, 0.565, 0.7]])
     close(ret[:, :3], [[0.93675, 0.965, 1.0]])
-    # Trailing padding carries the initial state: advantage 0, return = V.
+    # Masked positions (here trailing padding) get advantage 0 and return 0.
     close(a[:, 3], [0.0])
     close(ret[:, 3], [0.0])
 
@@ -127,7 +127,9 @@ def test_gae_interior_mask_carries_forward() -> None:
     a, ret = gae(r, v, m, gamma=1.0, lam=0.95)
     close(a[:, [0, 2, 3]], [[0.427, 0.66, 0.8]])
     close(ret[:, [0, 2, 3]], [[0.927, 0.96, 1.0]])
-    close(a[:, 1], [0.66])  # verl stores the carried running advantage at the masked token
+    # The masked token holds nothing (verl would store the carried 0.66 there): nothing may train on it.
+    close(a[:, 1], [0.0])
+    close(ret[:, 1], [0.0])
 
 
 def _gae_reference(r: list[float], v: list[float], n: int, gamma: float, lam: float) -> list[float]:
