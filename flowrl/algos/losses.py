@@ -46,6 +46,13 @@ def denominators(response_mask: Tensor, loss_mask: Tensor | None = None) -> dict
     return {"num_tokens": float(actions.sum()), "num_seqs": rows, "horizon": horizon}
 
 
+def _on_mask(x: Tensor, mask: Tensor) -> Tensor:
+    """`x` where mask > 0, 0 elsewhere, taken before any arithmetic: a masked position (an observation token,
+    a pad) then holds a finite value, so neither the loss nor its gradient can see what was there (a product
+    by 0 would not do: 0 * inf is NaN, and the backward of a masked -inf log-prob would be NaN too)."""
+    return torch.where(mask > 0, x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
 def _as_tensor(value: float | Tensor, like: Tensor) -> Tensor:
     return torch.as_tensor(value, dtype=like.dtype, device=like.device)
 
@@ -196,6 +203,9 @@ def ppo_clip_loss(
     metrics: clipfrac (share of valid tokens where the clipped term won), ppo_kl (masked mean of
     old_logp - logp), ratio_mean (masked mean of rho). Metrics are local to this (micro-)batch.
     """
+    logp, old_logp = _on_mask(logp, mask), _on_mask(old_logp, mask)
+    if advantages.dim() == 2:
+        advantages = _on_mask(advantages, mask)
     token_loss, ratio, clipped = _ppo_clip_token_loss(logp, old_logp, advantages, clip, clip_high, dual_clip)
     if weights is not None:
         token_loss = token_loss * weights.detach()
@@ -247,7 +257,11 @@ def policy_loss(
     metrics: pg_clipfrac is named `clipfrac`, the others of `ppo_clip_loss` get a `pg_` prefix; pg_loss,
     kl_loss (when kl_coef and ref_logp), entropy (when given).
     """
-    old = logp.detach() if old_logp is None else old_logp
+    logp = _on_mask(logp, mask)  # observation tokens and pads: nothing of theirs reaches the loss or gradient
+    old = logp.detach() if old_logp is None else _on_mask(old_logp, mask)
+    ref_logp = None if ref_logp is None else _on_mask(ref_logp, mask)
+    behav_logp = None if behav_logp is None else _on_mask(behav_logp, mask)
+    entropy = None if entropy is None else _on_mask(entropy, mask)
     weights = raw = None
     if is_correction != "none":
         if behav_logp is None:
@@ -299,8 +313,9 @@ def value_loss(
     clip=None gives the plain 0.5 * agg((V - R)^2). Gradients flow to `values` only.
     metrics: vf_clipfrac (share of valid tokens where the clipped error was larger), vpred_mean.
     """
-    old_values = old_values.detach()
-    returns = returns.detach()
+    values = _on_mask(values, mask)
+    old_values = _on_mask(old_values.detach(), mask)
+    returns = _on_mask(returns.detach(), mask)
     unclipped = (values - returns) ** 2  # (B, T)
     if clip is None:
         token_loss = unclipped
