@@ -14,8 +14,9 @@ from typing import Any
 
 import torch
 
-# Tensors carried from a rollout into every batch derived from it, so step functions have masks and groups.
-CARRIED = ("response_mask", "group_id")
+# Tensors carried from a rollout into every batch derived from it, so step functions have masks and groups,
+# and, for a rollout generated with an environment, its turns (the advantage ops read them off `scores`).
+CARRIED = ("response_mask", "group_id", "loss_mask", "turn_index", "turn_rewards", "env_return")
 
 
 @dataclass
@@ -144,7 +145,7 @@ def training_batch(inputs: Mapping[str, Batch]) -> Batch:
     its parameter name (its value field: `old_logp` is a log-prob forward's `logp`, ...)."""
     rollout = inputs["rollout"]
     tensors: dict[str, torch.Tensor] = {k: rollout[k] for k in ("prompt_ids", "prompt_mask", "response_ids", "response_mask",
-                                        "temperature", "group_id", "gen_logp") if k in rollout.tensors}
+                                        "temperature", "group_id", "gen_logp", "loss_mask") if k in rollout.tensors}
     for param, batch in inputs.items():
         if param == "rollout":
             continue
