@@ -12,9 +12,19 @@ from typing import Any
 
 import torch
 
-from flowrl.algos import gae, grpo_advantages, kl, reinforce_pp_returns, rloo_advantages, whiten
+from flowrl.algos import (
+    gae,
+    grpo_advantages,
+    kl,
+    reinforce_pp_returns,
+    rloo_advantages,
+    token_rewards,
+    turn_advantages,
+    turn_rloo_advantages,
+    whiten,
+)
 from flowrl.errors import Diagnostic, ExecutionError, RewardError
-from flowrl.ir.signatures import PASS_KEYS
+from flowrl.ir.signatures import PASS_KEYS, TURNS
 from flowrl.registry import FUNCTIONS as USER_FUNCTIONS
 from flowrl.registry import RewardFn, extra_columns
 from flowrl.runtime.batch import Batch
@@ -38,29 +48,81 @@ def _groups(scores: Batch, group: int) -> torch.Tensor:
     return ids
 
 
-def _last_token_rewards(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """(B,) outcome rewards placed on each sample's last valid response token -> (B, T)."""
-    out = torch.zeros(mask.shape, dtype=torch.float32)
-    last = (mask.sum(1) - 1).clamp(min=0).long()
-    out.scatter_(1, last[:, None], scores.float()[:, None])
-    return out * mask
+# What a rollout generated with an environment adds (the batch contract of issue 26): loss_mask (B, T) 1 on
+# action tokens only, turn_index (B, T) the turn of each token (-1 on pads), turn_rewards (B, T) each turn's
+# reward at its last action token, env_return (B,) their sum. Absent: a plain rollout, treated exactly as before.
 
 
-def group_advantage(scores: Batch, *, group: int, norm_std: bool = True, eps: float = 1e-6) -> Batch:
-    s = scores.value("scores")
-    adv = grpo_advantages(s, _groups(scores, group), norm_std=norm_std, eps=eps)  # (B,)
+def _tensor(name: str, *batches: Batch | None) -> torch.Tensor | None:
+    """The tensor `name` from the first batch that carries it."""
+    return next((b[name] for b in batches if b is not None and name in b.tensors), None)
+
+
+def _loss_mask(*batches: Batch | None) -> torch.Tensor:
+    """The tokens trained on (B, T): the rollout's loss_mask when generated with an environment (observation
+    tokens are 0 there), else its response_mask."""
+    mask = _tensor("loss_mask", *batches)
+    if mask is None:
+        mask = _tensor("response_mask", *batches)
+    if mask is None:
+        raise KeyError("the batch has neither loss_mask nor response_mask: derive it from the rollout")
+    return mask.float()
+
+
+def _declared_scores(scores: Batch) -> torch.Tensor:
+    """The declared rewards' score (B,); 0 for a rollout that only has its environment's rewards (the advantage
+    op was given the rollout itself)."""
+    if "scores" not in scores.tensors and "env_return" in scores.tensors:
+        return torch.zeros(scores.size)
+    return scores.value("scores").float()
+
+
+def _trajectory_scores(scores: Batch) -> torch.Tensor:
+    """A trajectory's return (B,): its declared score plus the sum of its environment's turn rewards."""
+    s = _declared_scores(scores)
+    env = scores.tensors.get("env_return")
+    return s if env is None else s + env.float()
+
+
+def _turns(turns: str, scores: Batch) -> bool:
+    """Whether to credit turns: `turns = "turn"` on a rollout that has turns (a plain rollout is one turn, whose
+    turn-level advantage is the trajectory's, so it gets the broadcast one)."""
+    if turns not in TURNS:
+        raise ValueError(f"turns = {turns!r}: expected one of {', '.join(map(repr, TURNS))}")
+    return turns == "turn" and "turn_rewards" in scores.tensors and "turn_index" in scores.tensors
+
+
+def group_advantage(scores: Batch, *, group: int, norm_std: bool = True, eps: float = 1e-6,
+                    turns: str = "trajectory") -> Batch:
+    """GRPO on each trajectory's return (declared score + env_return), one advantage per trajectory (B,), or
+    with `turns = "turn"` each turn's return from that turn on against the group's mean total return (B, T),
+    see flowrl.algos.turn_advantages."""
+    ids = _groups(scores, group)
+    if _turns(turns, scores):
+        adv = turn_advantages(scores["turn_rewards"], scores["turn_index"], _loss_mask(scores),
+                              _declared_scores(scores), ids, norm_std=norm_std, eps=eps)  # (B, T)
+    else:
+        adv = grpo_advantages(_trajectory_scores(scores), ids, norm_std=norm_std, eps=eps)  # (B,)
     return scores.derive("advantages", advantages=adv)
 
 
-def rloo_advantage(scores: Batch, *, group: int) -> Batch:
-    adv = rloo_advantages(scores.value("scores"), _groups(scores, group))
+def rloo_advantage(scores: Batch, *, group: int, turns: str = "trajectory") -> Batch:
+    """RLOO on each trajectory's return, or per turn with `turns = "turn"` (flowrl.algos.turn_rloo_advantages)."""
+    ids = _groups(scores, group)
+    if _turns(turns, scores):
+        adv = turn_rloo_advantages(scores["turn_rewards"], scores["turn_index"], _loss_mask(scores),
+                                   _declared_scores(scores), ids)  # (B, T)
+    else:
+        adv = rloo_advantages(_trajectory_scores(scores), ids)  # (B,)
     return scores.derive("advantages", advantages=adv)
 
 
 def gae_advantage(scores: Batch, values: Batch, *, gamma: float = 1.0, lam: float = 0.95,
                   whiten: bool = True) -> Batch:
-    mask = values["response_mask"].float()  # (B, T)
-    rewards = _last_token_rewards(scores.value("scores"), mask)
+    """GAE over the action tokens: token rewards are the turn rewards at their tokens plus the declared score at
+    the last action token; observation tokens are skipped by the recursion (flowrl.algos.gae)."""
+    mask = _loss_mask(values, scores)  # (B, T)
+    rewards = token_rewards(_declared_scores(scores), mask, _tensor("turn_rewards", scores, values))
     v = values.value("values") * mask
     adv, ret = gae(rewards, v, mask, gamma, lam)
     if whiten:
@@ -70,8 +132,10 @@ def gae_advantage(scores: Batch, values: Batch, *, gamma: float = 1.0, lam: floa
 
 def reinforce_pp_advantage(scores: Batch, logp: Batch | None = None, ref_logp: Batch | None = None, *,
                            gamma: float = 1.0, kl_coef: float = 0.0, kl: str = "k1") -> Batch:
-    mask = scores["response_mask"].float()
-    rewards = _last_token_rewards(scores.value("scores"), mask)
+    """REINFORCE++ returns over the action tokens (turn rewards at their tokens, the declared score at the last
+    action token, minus the KL penalty on action tokens), whitened over the batch's action tokens."""
+    mask = _loss_mask(scores)  # (B, T)
+    rewards = token_rewards(_declared_scores(scores), mask, scores.tensors.get("turn_rewards"))
     if kl_coef and logp is not None and ref_logp is not None:
         rewards = rewards - kl_coef * _kl(logp.value("logp"), ref_logp.value("logp"), kl) * mask
     returns = reinforce_pp_returns(rewards, mask, gamma)

@@ -46,6 +46,77 @@ def test_gae_puts_outcome_on_last_token_and_returns_both() -> None:
     assert out["returns"][1].tolist() == [0.0, 0.0, 0.0, 0.0]
 
 
+# --- rollouts generated with an environment (issue 26): loss_mask, turn_index, turn_rewards, env_return -----
+
+
+def env_batch(scores: list[float], group: int) -> Batch:
+    """Two layouts, T = 6 (a = action, o = observation, . = pad), each repeated to fill the batch:
+      row 0: a o a a . .   turn 0 = positions 0-1 (reward 1 at 0), turn 1 = 2-3 (reward 0 at 3)
+      row 1: o a a . . .   turn 0 (a reset observation first; reward 0 at 2)"""
+    n = len(scores)
+    response = torch.tensor([[1, 1, 1, 1, 0, 0], [1, 1, 1, 0, 0, 0]]).repeat(n // 2, 1)
+    loss = torch.tensor([[1, 0, 1, 1, 0, 0], [0, 1, 1, 0, 0, 0]]).repeat(n // 2, 1)
+    index = torch.tensor([[0, 0, 1, 1, -1, -1], [0, 0, 0, -1, -1, -1]]).repeat(n // 2, 1)
+    rewards = torch.tensor([[1.0, 0, 0, 0, 0, 0], [0.0, 0, 0, 0, 0, 0]]).repeat(n // 2, 1)
+    rollout = Batch(n, {"response_mask": response, "loss_mask": loss, "turn_index": index, "turn_rewards": rewards,
+                        "env_return": rewards.sum(1), "group_id": torch.arange(n) // group}, {}, primary=None)
+    return rollout.derive("scores", scores=torch.tensor(scores))
+
+
+def test_a_trajectory_return_is_its_score_plus_its_env_return() -> None:
+    # scores [0.5, 0, 0, 1] + env_return [1, 0, 1, 0] = [1.5, 0, 1, 1]: mean 0.875, centred
+    # [0.625, -0.875, 0.125, 0.125], unbiased var 1.1875 / 3 = 0.395833, std 0.629153.
+    b = env_batch([0.5, 0.0, 0.0, 1.0], group=4)
+    assert {"loss_mask", "turn_index", "turn_rewards", "env_return"} <= set(b.tensors)  # carried by derive
+    out = call_function("group_advantage", {"scores": b}, {"group": 4})
+    assert out.value().shape == (4,)
+    assert torch.allclose(out.value(), torch.tensor([0.993398, -1.390757, 0.198680, 0.198680]), atol=1e-5, rtol=0)
+    # RLOO: baselines (3.5 - G) / 3 = [0.666667, 1.166667, 0.833333, 0.833333]
+    rloo = call_function("rloo_advantage", {"scores": b}, {"group": 4})
+    assert torch.allclose(rloo.value(), torch.tensor([0.833333, -1.166667, 0.166667, 0.166667]), atol=1e-5, rtol=0)
+
+
+def test_turn_level_credit_is_an_option_of_the_group_ops() -> None:
+    # Scores 0: row 0 has G = [1, 0] (turns 0, 1), row 1 has G = [0]. Total returns [1, 0]: mean 0.5,
+    # std 0.707107: row 0's turn 0 gets 0.707107, its turn 1 -0.707107; row 1 -0.707107. Observations get 0.
+    b = env_batch([0.0, 0.0], group=2)
+    out = call_function("group_advantage", {"scores": b}, {"group": 2, "turns": "turn"})
+    p = 0.707106
+    assert torch.allclose(out.value(), torch.tensor([[p, 0, -p, -p, 0, 0], [0, -p, -p, 0, 0, 0]]), atol=1e-5)
+    # RLOO: row 0's baseline is row 1's total (0), row 1's is row 0's (1).
+    rloo = call_function("rloo_advantage", {"scores": b}, {"group": 2, "turns": "turn"})
+    assert rloo.value().tolist() == [[1.0, 0, 0, 0, 0, 0], [0, -1.0, -1.0, 0, 0, 0]]
+    # The default broadcasts one advantage per trajectory: G = [1, 0] -> [0.707107, -0.707107].
+    plain = call_function("group_advantage", {"scores": b}, {"group": 2})
+    assert torch.allclose(plain.value(), torch.tensor([p, -p]), atol=1e-5)
+
+
+def test_turn_level_credit_on_a_rollout_without_turns_is_the_broadcast_one() -> None:
+    b = scores_batch([1, 0, 0, 1, 0.5, 1, 0, 0], group=4)
+    for fn in ("group_advantage", "rloo_advantage"):
+        by_turn = call_function(fn, {"scores": b}, {"group": 4, "turns": "turn"})
+        assert torch.equal(by_turn.value(), call_function(fn, {"scores": b}, {"group": 4}).value())
+    with pytest.raises(ValueError, match="turns = 'turns': expected one of 'trajectory', 'turn'"):
+        call_function("group_advantage", {"scores": b}, {"group": 4, "turns": "turns"})
+
+
+def test_gae_and_reinforce_pp_reward_turns_at_their_tokens_and_skip_observations() -> None:
+    # Row 0: turn 0's reward 1 at position 0, the score 0.5 at the last ACTION token (3, not 1 + 2 - 1).
+    # V = 0, gamma = lam = 1: each action token's advantage is the reward still to come: [1.5, 0, 0.5, 0.5].
+    b = env_batch([0.5, 2.0], group=1)
+    values = b.derive("values", values=torch.full((2, 6), 9.0))  # ignored at observation tokens and pads
+    values.tensors["values"] = torch.where(b["loss_mask"] > 0, torch.zeros(2, 6), values["values"])
+    out = call_function("gae", {"scores": b, "values": values}, {"gamma": 1.0, "lam": 1.0, "whiten": False})
+    assert out["advantages"].tolist() == [[1.5, 0, 0.5, 0.5, 0, 0], [0, 2.0, 2.0, 0, 0, 0]]
+    assert out["returns"].tolist() == [[1.5, 0, 0.5, 0.5, 0, 0], [0, 2.0, 2.0, 0, 0, 0]]
+    pp = call_function("reinforce_pp_advantage", {"scores": b}, {"gamma": 1.0})
+    assert pp["returns"].tolist() == [[1.5, 0, 0.5, 0.5, 0, 0], [0, 2.0, 2.0, 0, 0, 0]]
+    # whitened over the 5 action tokens only: mean 1.3, the observation and pad positions stay 0
+    adv = pp["advantages"]
+    assert bool((adv[b["loss_mask"] == 0] == 0).all())
+    assert abs(float(adv[b["loss_mask"] > 0].mean())) < 1e-6
+
+
 def test_reward_errors_name_the_sample() -> None:
     rollout = Batch(2, {"response_mask": torch.ones(2, 1)},
                     {"prompt": ["1+1=", "2+2="], "response": ["2", "x"], "row": [{"answer": 2}, {"answer": 4}]})
