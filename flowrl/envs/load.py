@@ -94,7 +94,7 @@ def _tool(spec: EnvSpec, fn: Any) -> type:
     if not callable(fn) or inspect.isclass(fn):
         raise EnvLoadError(f"tool '{spec.name}': '{spec.target}' is a {type(fn).__name__}, not a function",
                            hint=f"a function {TOOL}")
-    if not _binds(fn, "x"):
+    if not _binds(fn, "x", partial=True):  # its other parameters are the row's columns
         raise EnvLoadError(f"tool '{spec.name}': {getattr(fn, '__name__', spec.target)}{_signature(fn)} does not "
                            f"take the arguments' text: it should be {TOOL}")
     if not spec.call:
@@ -108,9 +108,10 @@ def _tool(spec: EnvSpec, fn: Any) -> type:
     return tool_class(fn, spec.call, spec.stop[0] if spec.stop else "")
 
 
-def _binds(fn: Callable[..., Any], *args: Any) -> bool:
+def _binds(fn: Callable[..., Any], *args: Any, partial: bool = False) -> bool:
     try:
-        inspect.signature(fn).bind(*args)
+        sig = inspect.signature(fn)
+        sig.bind_partial(*args) if partial else sig.bind(*args)
     except TypeError:
         return False
     except ValueError:  # no signature to read (a builtin): trust it
@@ -129,7 +130,11 @@ def _binds_keywords(cls: type, options: dict[str, Any]) -> bool:
 
 
 def _signature(fn: Any) -> str:
+    """The parameters as written, without annotations (which read as quoted strings under postponed
+    evaluation)."""
     try:
-        return str(inspect.signature(fn))
+        sig = inspect.signature(fn)
     except (TypeError, ValueError):
         return "(...)"
+    bare = [p.replace(annotation=inspect.Parameter.empty) for p in sig.parameters.values()]
+    return str(sig.replace(parameters=bare, return_annotation=inspect.Signature.empty))

@@ -336,7 +336,8 @@ class EnvPool:
 
     def _break(self, problem: str) -> None:
         if self.broken is None:
-            self.broken = f"{self.spec.kind} '{self.spec.name}' could not start: {problem}"
+            named = f"{self.spec.kind} '{self.spec.name}'"
+            self.broken = f"{named} could not start: {problem.removeprefix(named + ': ')}"
             self.failed = EnvError(Diagnostic(self.broken))
 
     def _answered_here(self, call_id: int, answer: Answer) -> None:
