@@ -70,7 +70,7 @@ class _Worker:
                  on_answer: Callable[[_Worker, bytes], None], on_exit: Callable[[_Worker], None]):
         self.index = index
         ours, theirs = socket.socketpair()
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (_ROOT, os.environ.get("PYTHONPATH")) if p))
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), _ROOT) if p))
         self.proc = subprocess.Popen([sys.executable, "-c", _CHILD, str(theirs.fileno())], pass_fds=(theirs.fileno(),),
                                      stdin=subprocess.DEVNULL, env=env)
         theirs.close()

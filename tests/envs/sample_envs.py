@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import struct
 import sys
 import threading
 import time
@@ -113,6 +114,10 @@ class Hostile:
             raise ValueError("bad action")
         if action == "exit-call":
             sys.exit(2)
+        if action == "forge":  # writes on the worker's own socket (its fd is the child's argument)
+            body = b'{"not": "an answer"}'
+            os.write(int(sys.argv[1]), struct.pack("!i", len(body)) + body)
+            threading.Event().wait()
         if action == "modules":
             return " ".join(sorted(m for m in ("torch", "flowrl.runtime", "numpy") if m in sys.modules)), 0.0, False
         return "pid=" + str(os.getpid()), 0.0, False

@@ -70,6 +70,11 @@ def test_instances_are_sticky_and_keep_their_state() -> None:
         assert all(len(pids) == 1 for pids in seen.values())  # each instance stayed in one worker
         assert len({p for pids in seen.values() for p in pids}) == 2  # least loaded: two trajectories each
         assert sorted(f"pid={p}" for p in pool.pids()) == sorted({p for pids in seen.values() for p in pids})
+        for key in "abcd":  # the next training step: new trajectories, the same warm workers
+            pool.release(key)
+            result(pool.reset(key, {}))
+        assert {result(pool.step(key, "go")).observation.split()[1] for key in "abcd"} == \
+            {f"pid={p}" for p in pool.pids()} == {p for pids in seen.values() for p in pids}
     finally:
         pool.close()
 
@@ -156,6 +161,21 @@ def test_a_crash_ends_the_trajectories_of_its_worker_and_the_others_go_on() -> N
         until(lambda: pool.replaced == 1 and len(set(pool.pids())) == 2, "a worker in the dead one's place")
         result(pool.reset("a", {}))  # a new trajectory under the same key
         assert result(pool.step("a", "x")).observation not in (pids["a"], "")
+    finally:
+        pool.close()
+
+
+def test_a_worker_that_answers_garbage_is_replaced() -> None:
+    pool = EnvPool(spec("Hostile", workers=1))
+    try:
+        result(pool.reset("k", {}))
+        (old,) = pool.pids()
+        out = result(pool.step("k", "forge"))
+        assert (out.done, out.error) == (True, "the environment worker answered something that is not an answer: "
+                                               "this trajectory's instance is gone")
+        until(lambda: gone(old), "the worker to be reaped")
+        result(pool.reset("k", {}))
+        assert result(pool.step("k", "x")).observation == f"pid={pool.pids()[0]}" != f"pid={old}"
     finally:
         pool.close()
 
