@@ -239,8 +239,19 @@ class PlacementDecl(Located):
     span: Span
 
 
+@dataclass(frozen=True)
+class EnvDecl(Located):
+    """`env NAME = "module.Class" { entries }` or `tool NAME = "module.fn" { entries }` (`kind` is the keyword)."""
+
+    kind: Ident
+    name: Ident
+    target: Literal
+    entries: tuple[Entry, ...]
+    span: Span
+
+
 Decl = (FlowDecl | ImportDecl | ModelDecl | RewardDecl | DataDecl | UseDecl | StepDecl | TemplateDecl | RunDecl
-        | PlacementDecl)
+        | PlacementDecl | EnvDecl)
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ or a local checkpoint needs) come from `flowrl.models.build`, which `run` checks
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from flowrl.errors import FlowError
@@ -27,6 +27,7 @@ from flowrl.models.sources import (
 
 from . import ast
 from .diagnostics import Reporter, Source, did_you_mean
+from .environments import EnvInfo
 from .keys import Entry
 
 Block = Mapping[str, Entry]
@@ -95,6 +96,7 @@ class Flow:
     nodes: Sequence[Node]
     written: Mapping[tuple[str, str], tuple[Source, ast.Located]]
     device: str = "auto"  # run { device }
+    envs: Mapping[str, EnvInfo] = field(default_factory=dict)  # env and tool declarations by name
 
 
 def check_flow(rep: Reporter, flow: Flow) -> None:
@@ -103,11 +105,17 @@ def check_flow(rep: Reporter, flow: Flow) -> None:
         if m.engine != "torch":
             _check_engine(rep, flow, m)
     by_id = {n.id: n for n in flow.nodes}
+    used: set[str] = set()
     for node in flow.nodes:
         if node.op == "generate":
             _check_generation(rep, flow, node)
+            spec = node.attrs.get("env")
+            if isinstance(spec, Mapping):
+                used.add(str(spec["name"]))
+                check_env_generation(rep, flow, node, flow.envs[str(spec["name"])])
         if node.op == "fn" and node.attrs.get("fn") in ("group_advantage", "rloo_advantage"):
             _check_group(rep, flow, node, by_id)
+    check_envs_used(rep, flow, used)
 
 
 def _check_batches(rep: Reporter, flow: Flow) -> None:
@@ -180,6 +188,8 @@ def _check_generation(rep: Reporter, flow: Flow, node: Node) -> None:
     root = _root(flow, str(node.model))
     data = dict(node.inputs).get("prompts")
     if root is None or not isinstance(max_tokens, int) or data is None or data not in flow.prompts:
+        return
+    if isinstance(node.attrs.get("env"), Mapping):  # a trajectory's positions: check_env_generation
         return
     prompts = flow.prompts[data]
     if root.source in TINY_SOURCES:
@@ -255,3 +265,92 @@ def _generation_of(node: Node, by_id: Mapping[str, Node]) -> Node | None:
         seen.add(cur.id)
         todo.extend(src for _, src in cur.inputs)
     return None
+
+
+# ---- environments (`env` / `tool` declarations, flowrl.envs) ------------------------------------------------
+
+
+def check_env_class(rep: Reporter, src: Source, info: EnvInfo) -> None:
+    """The env's class (or the tool's function) imports and has what it needs (`flowrl.envs.load`), reported on
+    the declaration's target string."""
+    from flowrl.envs import EnvSpec
+    from flowrl.envs.load import EnvLoadError, load_env_class
+
+    try:
+        load_env_class(EnvSpec(**info.spec))
+    except EnvLoadError as e:
+        rep.error(src, e.problem, info.decl.target, hint=e.diagnostics[0].hint)
+
+
+def check_envs_used(rep: Reporter, flow: Flow, used: set[str]) -> None:
+    for name, info in flow.envs.items():
+        if name not in used:
+            rep.warn(flow.src, f"{info.kind} `{name}` is declared but no `generate` uses it", info.decl.name,
+                     hint=f"pass it to one: `actor.generate(prompts, env = {name})` or `use grpo(..., env = {name})`")
+
+
+def check_env_generation(rep: Reporter, flow: Flow, node: Node, info: EnvInfo) -> None:
+    """A generate running `info`: the torch engine; its stop texts or markers in the model's characters; a
+    trajectory (the longest prompt, then max_turns x max_tokens, or max_total) within the model's positions."""
+    src, where = flow.written[(node.id, "env")]
+    root = _root(flow, str(node.model))
+    if root is None:
+        return
+    if root.engine != "torch":
+        rep.error(src, f"`{info.name}` needs the torch engine, but model `{root.name}` uses engine = "
+                       f"\"{root.engine}\"", where,
+                  hint="multi-turn generation runs on the torch engine only, for now: drop `engine` from the model")
+        return
+    _check_env_charset(rep, flow, root, info)
+    max_tokens = node.attrs.get("max_tokens")
+    data = dict(node.inputs).get("prompts")
+    if not isinstance(max_tokens, int) or data is None or data not in flow.prompts:
+        return
+    if root.source in TINY_SOURCES:
+        context = root.config.get("context")
+        tok = tiny_tokenizer(root.config)
+        longest = max((len(tok.encode(p)) for p in flow.prompts[data]), default=0) + (tok.bos_id is not None)
+    else:
+        context, longest = hf_positions(root.source[3:]), 1
+    turns = int(info.spec["max_turns"])
+    total = info.max_total or turns * max_tokens
+    if not isinstance(context, int) or longest + total <= context:
+        return
+    room = context - longest
+    if info.max_total:
+        at = info.block["max_total"]
+        rep.error(at.src, f"`max_total = {info.max_total}` and the longest prompt of `{data}` ({longest} tokens) "
+                          f"need {longest + total} positions; model `{root.name}` has {context}", at.entry.value,
+                  hint=f"`max_total` can be at most {room} here" if room >= 1 else
+                  f"the prompts alone fill the positions: give `{root.name}` more (`context = {longest + total}`)")
+        return
+    msrc, mwhere = flow.written[(node.id, "max_tokens")]
+    rep.error(msrc, f"`max_tokens = {max_tokens}` per turn x `max_turns = {turns}` of `{info.name}` and the longest "
+                    f"prompt of `{data}` ({longest} tokens) need {longest + total} positions; model `{root.name}` "
+                    f"has {context}", mwhere,
+              hint=f"set `max_total = {room}` in `{info.name}` (a trajectory's response tokens), lower `max_tokens` "
+                   f"to {room // turns}, or give `{root.name}` more positions" if room >= turns else
+              f"give `{root.name}` more positions (`context = {longest + total}`)")
+
+
+def _check_env_charset(rep: Reporter, flow: Flow, root: ModelDecl, info: EnvInfo) -> None:
+    """Stop texts and tool markers a tiny model can write: each character in its `charset` (else <unk>)."""
+    charset = root.config.get("charset")
+    if root.source not in TINY_SOURCES or not isinstance(charset, str) or not charset:
+        return
+    keys = ("call", "end") if info.kind == "tool" else ("stop",)
+    for key in keys:
+        at = info.block.get(key)
+        if at is None:
+            continue
+        texts = (info.spec["call"],) if key == "call" else tuple(info.spec["stop"])
+        for text in texts:
+            missing = sorted(set(text) - set(charset))
+            if not missing:
+                continue
+            what = "stop text" if key == "stop" else "marker"
+            rep.error(at.src, f"the {what} {_flow_string(text)} uses {_flow_string(''.join(missing))}, which is not "
+                              f"in the charset of model `{root.name}`", at.entry.value,
+                      hint=f"the model could never write it (each missing character is <unk>): add "
+                           f"{'it' if len(missing) == 1 else 'them'} to `charset`, or use characters it has")
+            break

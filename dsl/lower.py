@@ -22,16 +22,19 @@ from flowrl.errors import DataError
 from flowrl.ir.graph import ROLES, DataDecl, Graph, ModelDecl, Range, Ref, RewardDecl, Value, frozen
 from flowrl.ir.signatures import (
     DATA_KEYS,
+    ENV_KEYS,
     HTTP_REWARD_KEYS,
     MODEL_KEYS,
     REWARD_KEYS,
     REWARD_KINDS,
     RUN_KEYS,
+    TOOL_KEYS,
 )
 
 from . import ast
-from .checks import Flow, check_device, check_flow, check_shape, check_source
+from .checks import Flow, check_device, check_env_class, check_flow, check_shape, check_source
 from .diagnostics import Reporter, Source, did_you_mean
+from .environments import EnvInfo, attach_envs, env_bindings, env_spec
 from .keys import Entry as _Entry
 from .keys import check_value
 from .overrides import Overrides, parse_overrides
@@ -46,6 +49,7 @@ SHAPE_KEYS = ("layers", "dim", "heads", "vocab", "context", "charset")  # fixed 
 FIELD_KEYS = ("source", "trainable", "lr", "engine", "gpus", "replicas")  # ModelDecl fields
 TRAINABLE_ROLES = ("policy", "critic")
 DATA_KINDS = ("jsonl",)
+ENV_ONLY_REWARD = "zero"  # flowrl.rewards.zero: the `reward` of a flow whose rewards are its environment's alone
 
 
 def flow_folder(path: str) -> str:
@@ -90,7 +94,8 @@ class _Lowering:
         models_ast = [d for d in self.module.decls if isinstance(d, ast.ModelDecl)]
         rewards_ast = [d for d in self.module.decls if isinstance(d, ast.RewardDecl)]
         data_ast = [d for d in self.module.decls if isinstance(d, ast.DataDecl)]
-        self._unique_names([*models_ast, *rewards_ast, *data_ast])
+        envs_ast = [d for d in self.module.decls if isinstance(d, ast.EnvDecl)]
+        self._unique_names([*models_ast, *rewards_ast, *data_ast, *envs_ast])
         iterations = [d for d in self.module.decls if isinstance(d, (ast.UseDecl, ast.StepDecl))]
         ovr = parse_overrides(self.overrides, [d.name.name for d in models_ast], [d.name.name for d in data_ast],
                               any(isinstance(d, ast.UseDecl) for d in iterations), self.rep,
@@ -99,6 +104,7 @@ class _Lowering:
             imports = self._imports()
             self._ovr = ovr
             rewards = [self._reward(d, ovr) for d in rewards_ast]
+            envs = self._envs(envs_ast, imports)
         models, replicas_at = self._models(models_ast, ovr)
         data, sources = self._data(data_ast, ovr)
         run = self._run(ovr)
@@ -110,13 +116,20 @@ class _Lowering:
             env.setdefault(r.name, RewardB(r.name, r.target))
         for d in data:
             env.setdefault(d.name, DataB(d.name))
+        for name, b in env_bindings(envs_ast, self.src).items():
+            env.setdefault(name, b)
+        if envs_ast:  # a flow with an environment may leave `reward` out: its scores are then the env's alone
+            env.setdefault("reward", RewardB("reward", ENV_ONLY_REWARD))
         body, template = self._iteration(iterations, env, ovr)
         steps = StepLowering(self.rep, sources)
-        nodes = steps.lower(body) if body is not None else []
+        nodes = attach_envs(self.rep, steps.lower(body) if body is not None else [], envs, steps.written)
+        if envs_ast and all(r.target != ENV_ONLY_REWARD for r in rewards) and any(
+                n.op == "reward" and n.attrs.get("fn") == ENV_ONLY_REWARD for n in nodes):
+            rewards.append(RewardDecl("reward", ENV_ONLY_REWARD, self.src.loc(envs_ast[0]), False, "python", frozen()))
         if not self.rep.diagnostics:  # checks across declarations and nodes, on a flow that is right so far
             check_flow(self.rep, Flow(self.src, models, self._model_blocks, data,
                                       {d.name.name: d for d in data_ast}, self._data_blocks, self._prompts,
-                                      self._shown, nodes, steps.written, str(run.get("device", "auto"))))
+                                      self._shown, nodes, steps.written, str(run.get("device", "auto")), envs))
         placements = [d for d in self.module.decls if isinstance(d, ast.PlacementDecl)]
         pools, groups, nodes = Placer(self.rep, models, replicas_at).place(placements, self.src, nodes)
         flow = self._flow_name()
@@ -129,14 +142,18 @@ class _Lowering:
 
     # ---- names ----------------------------------------------------------------------------------
 
-    def _unique_names(self, decls: Sequence[ast.ModelDecl | ast.RewardDecl | ast.DataDecl]) -> None:
-        first: dict[str, ast.ModelDecl | ast.RewardDecl | ast.DataDecl] = {}
+    def _unique_names(self, decls: Sequence[ast.ModelDecl | ast.RewardDecl | ast.DataDecl | ast.EnvDecl]) -> None:
+        first: dict[str, ast.ModelDecl | ast.RewardDecl | ast.DataDecl | ast.EnvDecl] = {}
         kinds = {ast.ModelDecl: "model", ast.RewardDecl: "reward", ast.DataDecl: "data"}
+
+        def kind_of(d: ast.ModelDecl | ast.RewardDecl | ast.DataDecl | ast.EnvDecl) -> str:
+            return d.kind.name if isinstance(d, ast.EnvDecl) else kinds[type(d)]
+
         for d in sorted(decls, key=lambda d: (d.line, d.col)):
-            name, kind = d.name.name, kinds[type(d)]
+            name, kind = d.name.name, kind_of(d)
             if name in first:
                 prev = first[name]
-                prev_kind = kinds[type(prev)]
+                prev_kind = kind_of(prev)
                 message = (f"duplicate {kind} name `{name}`" if prev_kind == kind
                            else f"duplicate name `{name}`: it is already declared as {prev_kind}")
                 self.rep.error(self.src, message, d.name,
@@ -183,6 +200,29 @@ class _Lowering:
                            hint=hint or "a reward is a dotted path to a Python callable (\"pkg.module.fn\") or a "
                                         "name registered with @flowrl.reward (add `import \"pkg.module\"`)")
         return RewardDecl(d.name.name, target, self.src.loc(d), batched, "python", frozen(options))
+
+    def _envs(self, decls: Sequence[ast.EnvDecl], imports: Sequence[str]) -> dict[str, EnvInfo]:
+        """Each `env`/`tool` declaration's spec (keys checked against ENV_KEYS / TOOL_KEYS, their limits and
+        choices; an env's other keys are its class's options); the class or function is imported by the checks
+        (`check_env_class`), with the flow's folder."""
+        out: dict[str, EnvInfo] = {}
+        for d in decls:
+            if d.name.name in out:
+                continue
+            kind = d.kind.name
+            keys = TOOL_KEYS if kind == "tool" else ENV_KEYS
+            # an env's other keys go to its class's constructor (EnvSpec.options), unless one looks like a
+            # misspelt key of the block: that is reported with its did-you-mean, as in every other block
+            own = [e for e in d.entries if kind == "tool" or e.key.name in keys or did_you_mean(e.key.name, keys)]
+            options = {e.key.name: to_value(e.value) for e in d.entries if e not in own}
+            before = len(self.rep.diagnostics)
+            block = self._block(own, (), self._ovr, keys, kind)
+            values = self._filled(block, keys, kind)
+            out[d.name.name] = env_spec(self.rep, self.src, d, block, values, folder=self.folder, imports=imports,
+                                        options=options)
+            if len(self.rep.diagnostics) == before:  # a block that is right so far: does its class fit it?
+                check_env_class(self.rep, self.src, out[d.name.name])
+        return out
 
     def _remote_reward(self, d: ast.RewardDecl, extra: Sequence[ast.Entry]) -> RewardDecl:
         """`reward NAME = http("url") { ... }`: a scoring service; every key gets its value or default."""

@@ -242,6 +242,11 @@ class _Builder:
                                     self.stmts(body), span)
         if kind == "run_decl":
             return ast.RunDecl(self.block(kids[0]), span)
+        if kind == "env_decl":
+            target = kids[1]
+            assert isinstance(target, Token)
+            return ast.EnvDecl(self.ident(node.children[0]), self.ident(kids[0]), self.string(target),
+                               self.block(kids[2] if len(kids) > 2 else None), span)
         assert kind == "placement_decl", kind
         pools, assigns = [], []
         for item in kids:

@@ -21,7 +21,8 @@ from flowrl.errors import Diagnostic
 from .ast import strip_comment
 from .diagnostics import Source, did_you_mean
 
-DECL_KEYWORDS = ("flow", "import", "model", "reward", "data", "use", "step", "template", "run", "placement")
+DECL_KEYWORDS = ("flow", "import", "model", "reward", "data", "use", "step", "template", "run", "placement", "env",
+                 "tool")
 
 
 @dataclass(frozen=True)

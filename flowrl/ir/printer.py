@@ -27,13 +27,27 @@ def _kv(mapping: Mapping[str, Value]) -> str:
     return ", ".join(f"{k}={format_value(v)}" for k, v in sorted(mapping.items()))
 
 
+def env_label(attrs: Mapping[str, Any]) -> str | None:
+    """A generate's environment as `flowrl compile` and `flowrl viz` name it, `calc (tool, max_turns=4)`; None
+    for a generate without one. (Its whole spec is in the JSON view.)"""
+    spec = attrs.get("env")
+    if not isinstance(spec, Mapping):
+        return None
+    total = attrs.get("max_total") or 0
+    extra = f", max_total={total}" if total else ""
+    return f"{spec.get('name')} ({spec.get('kind', 'env')}, max_turns={spec.get('max_turns')}{extra})"
+
+
 def format_node(n: Node) -> str:
     call = f"{n.model}.{n.method}" if n.model else n.op
     if n.op in ("fn", "reward"):
         call = f"{n.op}:{n.attrs.get('fn')}"
     args = ", ".join(f"{p}={i}" for p, i in n.inputs)
-    attrs = {k: v for k, v in n.attrs.items() if not (n.op in ("fn", "reward") and k == "fn")}
-    tail = f" {{{_kv(attrs)}}}" if attrs else ""
+    attrs = {k: v for k, v in n.attrs.items() if not (n.op in ("fn", "reward") and k == "fn")
+             and k not in ("env", "max_total")}
+    env = env_label(n.attrs)
+    shown = ", ".join(x for x in (f"env={env}" if env else "", _kv(attrs)) if x)
+    tail = f" {{{shown}}}" if shown else ""
     where = f"@{n.worker_group}/{n.dispatch}"
     # a node from a standard template names the template's file: its line is the template's, not the flow's
     line = f"{n.loc.path}:{n.loc.line}:{n.loc.col}" if n.loc.path.startswith("<stdlib>/") else f"{n.loc.line}:{n.loc.col}"

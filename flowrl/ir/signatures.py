@@ -103,6 +103,9 @@ GENERATE = Signature(
         Param("min_tokens", "int", default=0, limit=NON_NEGATIVE),
         Param("temperature", "float", default=1.0, limit=Limit(0, why="0 samples greedily")),
         Param("top_p", "float", default=1.0, limit=Limit(0, 1, above=True, why="1 keeps every token")),
+        # an `env` or `tool` declaration's name: each sample then acts over turns (`max_tokens` is per turn);
+        # "" (the templates' `none`) generates one completion per sample
+        Param("env", "str", default=""),
     ),
     op="generate",
 )
@@ -260,6 +263,23 @@ HTTP_REWARD_KEYS: dict[str, tuple[str, Value]] = {
 }
 REWARD_KINDS = ("http",)
 
+# `env NAME = "module.Class" { ... }` and `tool NAME = "module.fn" { ... }` (flowrl.envs.EnvSpec's fields).
+ENV_ON_ERROR = ("observe", "end", "raise")  # = flowrl.envs.ON_ERROR (ir sits below envs; a test keeps them equal)
+ENV_KEYS: dict[str, tuple[str, Value]] = {
+    "max_turns": ("int", 4),  # actions per trajectory
+    "stop": ("any", ()),  # a string or a list of strings that end a turn (the stop text is part of the action)
+    "workers": ("int", 2),  # warm processes running the environments (0: threads of the generating process)
+    "timeout": ("float", 30.0),  # seconds per reset or step call
+    "on_error": ("str", "observe"),  # one of ENV_ON_ERROR
+    "overlap": ("bool", True),  # false: the barrier loop (every sample's turn, then every environment)
+    "max_total": ("int", 0),  # response tokens of a whole trajectory (0: max_turns x max_tokens)
+}
+TOOL_KEYS: dict[str, tuple[str, Value]] = {
+    "call": ("str", None),  # the marker that opens the tool's arguments (required)
+    "end": ("str", None),  # the marker that closes them and ends the turn (required)
+    **{k: v for k, v in ENV_KEYS.items() if k != "stop"},
+}
+
 # serverless: who computes a prompt prefix shared across generation instances (backends/serverless/prefill.py)
 DEDUP_PREFILL = ("auto", "handover", "local", "off")
 RUN_KEYS: dict[str, tuple[str, Value]] = {
@@ -308,10 +328,16 @@ KEY_LIMITS: dict[str, dict[str, Limit]] = {
     "reward": {"workers": NON_NEGATIVE, "timeout": Limit(0, why="seconds; 0: no limit")},
     "http reward": {"batch": POSITIVE, "timeout": Limit(0, why="seconds; 0: no limit"), "retries": NON_NEGATIVE,
                     "concurrency": POSITIVE},
+    "env": {"max_turns": POSITIVE, "workers": Limit(0, why="0 runs the environments in threads"),
+            "timeout": Limit(0, above=True, why="seconds per reset or step call"),
+            "max_total": Limit(0, why="0 allows max_turns x max_tokens")},
 }
+KEY_LIMITS["tool"] = KEY_LIMITS["env"]
 KEY_CHOICES: dict[str, dict[str, tuple[str, ...]]] = {
     "model": {"engine": ENGINES, "dtype": DTYPES},
     "run": {"dedup_prefill": DEDUP_PREFILL},
     "reward": {"on_error": ON_ERROR, "sandbox": SANDBOX},
     "http reward": {"on_error": ON_ERROR},
+    "env": {"on_error": ENV_ON_ERROR},
+    "tool": {"on_error": ENV_ON_ERROR},
 }

@@ -65,3 +65,9 @@ from flowrl.rewards.math import math_equal  # noqa: E402
 
 __all__ = ["arith_exact", "arith_partial", "char_fraction", "code_tests", "length_target", "match_string",
            "math_equal"]
+
+
+@reward("zero")
+def zero(prompt: str, response: str, **_: object) -> float:
+    """0.0 for every response: the `reward` of a flow whose rewards are its environment's alone (`env`)."""
+    return 0.0

@@ -180,7 +180,7 @@ BAD_ARGUMENT = [
         t.flow:6:46: error: unknown argument `bogus` for `actor.generate`
                 rollout = actor.generate(prompts, n = 8, bogus = 1)
                                                          ^^^^^
-        hint: `actor.generate` takes `prompts`, `n`, `max_tokens`, `min_tokens`, `temperature` or `top_p`
+        hint: `actor.generate` takes `prompts`, `n`, `max_tokens`, `min_tokens`, `temperature`, `top_p` or `env`
     """),
     (step("rollout = actor.generate(prompts, max_tokns = 8)"), """
         t.flow:6:39: error: unknown argument `max_tokns` for `actor.generate`
