@@ -1,5 +1,6 @@
 """Where environment calls run (flowrl.envs): one pool worker's instances and the calls on them (`Runner`), in a
-child process (`main`, what `flowrl.envs.pool.EnvPool` starts) or in threads of the caller (`workers = 0`).
+child process (`main`; `Worker` is the pool's handle on it, started by `flowrl.envs.pool.EnvPool`) or in threads
+of the caller (`workers = 0`).
 
 Each call runs in a thread of its own, so one slow environment does not hold the others; an `async def` method's
 coroutine runs on the worker's one event loop (an `async def` that blocks that loop holds the worker's other
@@ -23,17 +24,24 @@ import math
 import numbers
 import os
 import signal
+import socket
+import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable, Hashable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from flowrl.envs.protocol import EnvSpec
 
 OBSERVATION_CHARS = 4096
 ERROR_CHARS = 1000
 SHAPE = "(observation: str, reward: float, done: bool)"
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # where `flowrl` is found
+_CHILD = "import sys; from flowrl.envs.host import main; main(int(sys.argv[1]))"
 
 
 @dataclass(frozen=True)
@@ -182,6 +190,93 @@ class Runner:
                 self.loop = asyncio.new_event_loop()
                 threading.Thread(target=self.loop.run_forever, daemon=True, name="flowrl-env-loop").start()
             return self.loop
+
+
+class Worker:
+    """One worker process, from the pool's side: its connection, a reader thread, and the messages held until it is ready."""
+
+    def __init__(self, index: int, spec: EnvSpec, on_ready: Callable[[Worker, str | None], None],
+                 on_answer: Callable[[Worker, bytes], None], on_exit: Callable[[Worker], None]):
+        self.index = index
+        ours, theirs = socket.socketpair()
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), _ROOT) if p))
+        self.proc = subprocess.Popen([sys.executable, "-c", _CHILD, str(theirs.fileno())], pass_fds=(theirs.fileno(),),
+                                     stdin=subprocess.DEVNULL, env=env)
+        theirs.close()
+        self.conn = Connection(ours.detach())
+        self.lock = threading.Lock()
+        self.ready = False
+        self.held: list[Any] = []  # messages sent before it was ready
+        self.started = threading.Event()  # ready, or failed to start
+        self.conn.send(replace(spec, options=dict(spec.options)))
+        self.on_ready, self.on_answer, self.on_exit = on_ready, on_answer, on_exit
+        self.reader = threading.Thread(target=self._read, daemon=True, name=f"flowrl-env-reader-{index}")
+        self.reader.start()
+
+    def send(self, message: Any) -> bool:
+        """Send now if ready (True), else hold it for when it is (False)."""
+        with self.lock:
+            if not self.ready:
+                self.held.append(message)
+                return False
+            self._send(message)
+            return True
+
+    def _send(self, message: Any) -> None:
+        try:
+            self.conn.send(message)
+        except (OSError, ValueError):  # it died: the reader sees it and the pool replaces it
+            pass
+
+    def _read(self) -> None:
+        try:
+            hello = json.loads(self.conn.recv_bytes())
+            if hello != {"ready": True}:
+                self.on_ready(self, str(hello.get("error") if isinstance(hello, dict) else hello))
+                return
+            self.on_ready(self, None)
+            while True:
+                self.on_answer(self, self.conn.recv_bytes())
+        except (EOFError, OSError, ValueError):
+            if not self.started.is_set():
+                self.on_ready(self, f"it {self.death(wait=5.0)} while starting")
+            else:
+                self.on_exit(self)
+
+    def flush(self) -> list[Any]:
+        """Mark it ready and send what was held; returns the held messages."""
+        with self.lock:
+            self.ready = True
+            held, self.held = self.held, []
+            for message in held:
+                self._send(message)
+        return held
+
+    def death(self, wait: float = 0.0) -> str:
+        try:
+            code = self.proc.wait(timeout=wait) if wait > 0 else self.proc.poll()
+        except subprocess.TimeoutExpired:
+            code = None
+        if code is None:
+            return "stopped answering"
+        if code < 0:
+            try:
+                return f"died of signal {-code} ({signal.Signals(-code).name})"
+            except ValueError:
+                return f"died of signal {-code}"
+        return f"exited with code {code}"
+
+    def stop(self, kill: bool) -> None:
+        if not kill:
+            self._send(None)
+            try:
+                self.proc.wait(timeout=2.0)
+            except subprocess.TimeoutExpired:
+                pass
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        self.conn.close()
 
 
 async def _awaited(value: Any) -> Any:

@@ -23,20 +23,14 @@ trajectory's reset and steps; the environments run in warm worker processes (`fl
 from __future__ import annotations
 
 import itertools
-import os
-import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Hashable, Mapping
 from concurrent.futures import Future
-from dataclasses import dataclass, replace
-from multiprocessing.connection import Connection
+from dataclasses import dataclass
 from typing import Any
 
-from flowrl.envs.host import ERROR_CHARS, Answer, Runner, cut, read_answer
+from flowrl.envs.host import ERROR_CHARS, Answer, Runner, Worker, cut, read_answer
 from flowrl.envs.load import EnvLoadError, load_env_class
 from flowrl.envs.protocol import ON_ERROR, EnvSpec, Outcome
 from flowrl.errors import Diagnostic, FlowError
@@ -44,8 +38,6 @@ from flowrl.errors import Diagnostic, FlowError
 __all__ = ["START_S", "EnvError", "EnvPool"]
 
 START_S = 60.0  # a worker's start-up (imports, the class's module) before it counts as failed
-_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # where `flowrl` is found
-_CHILD = "import sys; from flowrl.envs.host import main; main(int(sys.argv[1]))"
 
 
 class EnvError(FlowError):
@@ -63,95 +55,6 @@ class _Call:
     timed_out: bool = False
 
 
-class _Worker:
-    """One worker process: its connection, a reader thread, and the messages held until it is ready."""
-
-    def __init__(self, index: int, spec: EnvSpec, on_ready: Callable[[_Worker, str | None], None],
-                 on_answer: Callable[[_Worker, bytes], None], on_exit: Callable[[_Worker], None]):
-        self.index = index
-        ours, theirs = socket.socketpair()
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), _ROOT) if p))
-        self.proc = subprocess.Popen([sys.executable, "-c", _CHILD, str(theirs.fileno())], pass_fds=(theirs.fileno(),),
-                                     stdin=subprocess.DEVNULL, env=env)
-        theirs.close()
-        self.conn = Connection(ours.detach())
-        self.lock = threading.Lock()
-        self.ready = False
-        self.held: list[Any] = []  # messages sent before it was ready
-        self.started = threading.Event()  # ready, or failed to start
-        self.conn.send(replace(spec, options=dict(spec.options)))
-        self.on_ready, self.on_answer, self.on_exit = on_ready, on_answer, on_exit
-        self.reader = threading.Thread(target=self._read, daemon=True, name=f"flowrl-env-reader-{index}")
-        self.reader.start()
-
-    def send(self, message: Any) -> bool:
-        """Send now if ready (True), else hold it for when it is (False)."""
-        with self.lock:
-            if not self.ready:
-                self.held.append(message)
-                return False
-            self._send(message)
-            return True
-
-    def _send(self, message: Any) -> None:
-        try:
-            self.conn.send(message)
-        except (OSError, ValueError):  # it died: the reader sees it and the pool replaces it
-            pass
-
-    def _read(self) -> None:
-        import json
-
-        try:
-            hello = json.loads(self.conn.recv_bytes())
-            if hello != {"ready": True}:
-                self.on_ready(self, str(hello.get("error") if isinstance(hello, dict) else hello))
-                return
-            self.on_ready(self, None)
-            while True:
-                self.on_answer(self, self.conn.recv_bytes())
-        except (EOFError, OSError, ValueError):
-            if not self.started.is_set():
-                self.on_ready(self, f"it {self.death(wait=5.0)} while starting")
-            else:
-                self.on_exit(self)
-
-    def flush(self) -> list[Any]:
-        """Mark it ready and send what was held; returns the held messages."""
-        with self.lock:
-            self.ready = True
-            held, self.held = self.held, []
-            for message in held:
-                self._send(message)
-        return held
-
-    def death(self, wait: float = 0.0) -> str:
-        try:
-            code = self.proc.wait(timeout=wait) if wait > 0 else self.proc.poll()
-        except subprocess.TimeoutExpired:
-            code = None
-        if code is None:
-            return "stopped answering"
-        if code < 0:
-            try:
-                return f"died of signal {-code} ({signal.Signals(-code).name})"
-            except ValueError:
-                return f"died of signal {-code}"
-        return f"exited with code {code}"
-
-    def stop(self, kill: bool) -> None:
-        if not kill:
-            self._send(None)
-            try:
-                self.proc.wait(timeout=2.0)
-            except subprocess.TimeoutExpired:
-                pass
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()
-        self.conn.close()
-
-
 class EnvPool:
     """`Envs` on warm worker processes (or threads): see the module docstring."""
 
@@ -164,7 +67,7 @@ class EnvPool:
         self.replaced = 0  # workers killed or found dead, and started again
         self.lock = threading.Lock()
         self.wake = threading.Condition(self.lock)
-        self.workers: list[_Worker] = []
+        self.workers: list[Worker] = []
         self.runner: Runner | None = None
         self.broken: str | None = None  # why the class cannot run: every call fails with it
         self.home: dict[Hashable, int] = {}  # trajectory -> the worker holding its instance
@@ -272,8 +175,8 @@ class EnvPool:
             self.monitor = threading.Thread(target=self._watch, daemon=True, name=f"flowrl-env-{self.spec.name}")
             self.monitor.start()
 
-    def _spawn(self, index: int) -> _Worker:
-        return _Worker(index, self.spec, self._ready, self._answered, self._exited)
+    def _spawn(self, index: int) -> Worker:
+        return Worker(index, self.spec, self._ready, self._answered, self._exited)
 
     def _send(self, key: Hashable, op: str, payload: Any, worker: int) -> Future[Outcome]:
         call = _Call(next(self.ids), key, op, Future(), worker)
@@ -314,7 +217,7 @@ class EnvPool:
             return Outcome(error, done=call.op == "reset", error=error, timed_out=timed_out, seconds=seconds)
         return Outcome("", done=True, error=error, timed_out=timed_out, seconds=seconds)
 
-    def _ready(self, worker: _Worker, problem: str | None) -> None:
+    def _ready(self, worker: Worker, problem: str | None) -> None:
         if problem is None:
             held = worker.flush()
             now = time.monotonic()
@@ -343,7 +246,7 @@ class EnvPool:
     def _answered_here(self, call_id: int, answer: Answer) -> None:
         self._settle(call_id, answer)
 
-    def _answered(self, worker: _Worker, data: bytes) -> None:
+    def _answered(self, worker: Worker, data: bytes) -> None:
         try:
             call_id, answer = read_answer(data)
         except ValueError:
@@ -364,10 +267,10 @@ class EnvPool:
                 outcome = Outcome(answer.observation, answer.reward, answer.done, seconds=answer.seconds)
         _resolve(call.future, outcome)
 
-    def _exited(self, worker: _Worker) -> None:
+    def _exited(self, worker: Worker) -> None:
         self._replace(worker, worker.death(wait=5.0))
 
-    def _replace(self, worker: _Worker, why: str) -> None:
+    def _replace(self, worker: Worker, why: str) -> None:
         """Kill `worker` (if it is still the current one at its index), start another in its place, and end
         the trajectories it held."""
         with self.lock:
@@ -395,7 +298,7 @@ class EnvPool:
         limit = self.spec.timeout
         while True:
             late: list[_Call] = []
-            stuck: list[_Worker] = []
+            stuck: list[Worker] = []
             with self.lock:
                 if self.closed:
                     return
