@@ -16,7 +16,7 @@ PACKAGE = Path(flowrl.__file__).resolve().parent
 LAYERS = [
     ("flowrl.errors",),
     ("flowrl.ir", "flowrl.algos", "flowrl.elastic", "flowrl.planner", "flowrl.models", "flowrl.data"),
-    ("flowrl.registry", "flowrl.rewards", "flowrl.engines", "flowrl.dsl", "flowrl.passes"),
+    ("flowrl.registry", "flowrl.rewards", "flowrl.envs", "flowrl.engines", "flowrl.dsl", "flowrl.passes"),
     ("flowrl.compiler",),
     ("flowrl.runtime",),
     ("flowrl.backends", "flowrl.viz"),
