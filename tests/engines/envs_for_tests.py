@@ -18,7 +18,7 @@ from typing import Any
 
 from flowrl.envs.protocol import Outcome
 
-__all__ = ["GuessEnv", "HangEnv", "RaiseEnv", "SlowEnv", "ThreadEnvs"]
+__all__ = ["CountEnv", "GuessEnv", "HangEnv", "RaiseEnv", "SlowEnv", "ThreadEnvs"]
 
 
 class ThreadEnvs:
@@ -32,19 +32,20 @@ class ThreadEnvs:
         self.instances: dict[Hashable, Any] = {}
         self.released: list[Hashable] = []
         self.actions: dict[Hashable, list[str]] = {}
+        self.outcomes: dict[Hashable, list[Outcome]] = {}  # per key, in order: the reset's, then each step's
         self._lock = threading.Lock()
 
     def reset(self, key: Hashable, row: Mapping[str, Any]) -> Future[Outcome]:
         if key in self.instances:
             raise KeyError(f"environment {key!r} already exists")
         self.instances[key] = inst = self.factory()
-        self.actions[key] = []
-        return self._run(lambda: (_call(inst.reset, row), 0.0, False))
+        self.actions[key], self.outcomes[key] = [], []
+        return self._run(key, lambda: (_call(inst.reset, row), 0.0, False))
 
     def step(self, key: Hashable, action: str) -> Future[Outcome]:
         inst = self.instances[key]
         self.actions[key].append(action)
-        return self._run(lambda: _call(inst.step, action))
+        return self._run(key, lambda: _call(inst.step, action))
 
     def release(self, key: Hashable) -> None:
         del self.instances[key]
@@ -53,12 +54,13 @@ class ThreadEnvs:
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
 
-    def _run(self, call: Callable[[], tuple[str, float, bool]]) -> Future[Outcome]:
+    def _run(self, key: Hashable, call: Callable[[], tuple[str, float, bool]]) -> Future[Outcome]:
         result: Future[Outcome] = Future()
 
         def settle(outcome: Outcome) -> None:
             with self._lock:  # the first of the call and its timer wins
                 if not result.done():
+                    self.outcomes[key].append(outcome)
                     result.set_result(outcome)
 
         def job() -> None:
@@ -148,3 +150,14 @@ class HangEnv(GuessEnv):
     def step(self, action: str) -> tuple[str, float, bool]:
         self.release.wait()
         return super().step(action)
+
+
+class CountEnv:
+    """Never done: answers each action with '<' + its length + '>' (multi-character observations), reward
+    length / 10; reset hands back the row's `intro`."""
+
+    def reset(self, row: Mapping[str, Any]) -> str:
+        return str(row.get("intro", ""))
+
+    def step(self, action: str) -> tuple[str, float, bool]:
+        return f"<{len(action)}>", len(action) / 10, False
