@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from flowrl.algos import policy_loss, value_loss
+from flowrl.algos import denominators, policy_loss, value_loss
 from flowrl.engines.chunked_generation import StreamControl, Tail, generate_stream, resume_stream
 from flowrl.engines.generation import forward_logprobs, forward_logprobs_entropy, forward_values, generate
 from flowrl.engines.incremental import IncrementalScorer
@@ -283,8 +283,8 @@ class ModelWorker:
             order = torch.randperm(batch.size, generator=gen) if epochs > 1 or parts > 1 else torch.arange(batch.size)
             shuffled = batch.select(order)
             for mini in shuffled.split(parts):
-                denoms = {"num_tokens": float(mini["response_mask"].sum()), "num_seqs": mini.size,
-                          "horizon": int(mini["response_mask"].shape[1])}
+                # counted on the tokens trained on: a multi-turn rollout's loss_mask leaves out its observations
+                denoms = denominators(mini["response_mask"], mini.tensors.get("loss_mask"))
                 if data_parallel_world() > 1:  # ray backend, data parallel: the global mini-batch's denominators
                     tokens, seqs = all_reduce_sum([denoms["num_tokens"], denoms["num_seqs"]], self.device)
                     denoms.update(num_tokens=tokens, num_seqs=int(seqs))
@@ -326,7 +326,7 @@ class ModelWorker:
     def _policy_loss(self, module: torch.nn.Module, mb: Batch, *, a: UpdateAttrs,
                      denoms: Mapping[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
         inputs = self._inputs(mb)
-        mask = inputs[3].float()
+        mask = self._loss_mask(mb, inputs[3])
         temp = float(mb["temperature"][0]) if "temperature" in mb.tensors else 1.0
         packed = None
         if a.share_prefix:  # the share-prefix pass: each prompt once, gradients summed over samples
@@ -342,6 +342,11 @@ class ModelWorker:
             clip_high=a.clip_high, dual_clip=a.dual_clip, kl_coef=a.kl_coef, kl_kind=a.kl,
             entropy_coef=a.entropy_coef, agg=a.agg, **denoms)
 
+    def _loss_mask(self, mb: Batch, response_mask: torch.Tensor) -> torch.Tensor:
+        """(B, T) the tokens the loss trains on: a multi-turn rollout's loss_mask (0 on observation tokens, which
+        the forwards still attend to through response_mask), else the response mask."""
+        return mb["loss_mask"].to(self.device).float() if "loss_mask" in mb.tensors else response_mask.float()
+
     def _critic_loss(self, module: torch.nn.Module, mb: Batch, *, a: UpdateAttrs,
                      denoms: Mapping[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
         inputs = self._inputs(mb)
@@ -351,7 +356,7 @@ class ModelWorker:
         if values is None:
             values = forward_values(module, *inputs, with_grad=True)  # (B, T)
         old = mb["values"].to(self.device) if "values" in mb.tensors else values.detach()
-        loss, metrics = value_loss(values, old, mb["returns"].to(self.device), inputs[3].float(), clip=a.clip,
+        loss, metrics = value_loss(values, old, mb["returns"].to(self.device), self._loss_mask(mb, inputs[3]), clip=a.clip,
                                    agg=a.agg, **denoms)
         metrics["vf_loss"] = float(loss.detach())
         return loss, metrics
