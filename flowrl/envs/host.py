@@ -79,6 +79,11 @@ class ReturnError(Exception):
     """A reset's or step's return value refused here; the message says what came back."""
 
 
+def _utf8(text: str) -> str:
+    """`text` with what UTF-8 cannot encode (a lone surrogate) as "?": a rollout's text is written to files."""
+    return text.encode("utf-8", "replace").decode("utf-8")
+
+
 def cut(text: str, limit: int) -> tuple[str, bool]:
     return (text[:limit], True) if len(text) > limit else (text, False)
 
@@ -96,12 +101,13 @@ def _raised(e: BaseException) -> str:
         what = str(e)
     except Exception:
         what = "<its message raised>"
-    return cut(f"raised {type(e).__name__}: {what}" if what else f"raised {type(e).__name__}", ERROR_CHARS)[0]
+    return _utf8(cut(f"raised {type(e).__name__}: {what}" if what else f"raised {type(e).__name__}",
+                     ERROR_CHARS)[0])
 
 
 def _observation(value: Any, where: str) -> str:
     if isinstance(value, str):
-        return str.__str__(value)  # a subclass's own methods never leave this process
+        return _utf8(str.__str__(value))  # a subclass's own methods never leave this process
     raise ReturnError(f"{where} is a {type(value).__name__}, not a str: {_show(value)}")
 
 
@@ -140,11 +146,13 @@ def reset_answer(value: Any) -> Answer:
 
 class Runner:
     """One worker's instances (`key` -> instance of `cls`) and their calls, each in a thread of its own;
-    `reply(call, answer)` is called from that thread when the call ends."""
+    `reply(call, answer)` is called from that thread when the call ends. Calls on one instance run one at a time
+    (a step sent after an earlier one timed out waits for it): an environment is written for one caller."""
 
     def __init__(self, cls: type, options: Mapping[str, Any], reply: Callable[[int, Answer], None]):
         self.cls, self.options, self.reply = cls, dict(options), reply
         self.instances: dict[Hashable, Any] = {}
+        self.gates: dict[Hashable, threading.Lock] = {}  # one per instance: its calls in turn
         self.lock = threading.Lock()
         self.loop: asyncio.AbstractEventLoop | None = None
 
@@ -156,27 +164,35 @@ class Runner:
     def release(self, key: Hashable) -> None:
         with self.lock:
             self.instances.pop(key, None)
+            self.gates.pop(key, None)
 
     def _run(self, call: int, op: str, key: Hashable, payload: Any) -> None:
-        start = time.perf_counter()
+        with self.lock:
+            if op == "reset":
+                self.instances.pop(key, None)
+                self.gates[key] = threading.Lock()
+            gate = self.gates.get(key) or threading.Lock()
+        with gate:
+            start = time.perf_counter()  # the call's own time: not its wait for an earlier call
+            answer = self._answer(op, key, payload)
+            self.reply(call, replace(answer, seconds=time.perf_counter() - start))
+
+    def _answer(self, op: str, key: Hashable, payload: Any) -> Answer:
         try:
             if op == "reset":
                 instance = self.cls(**self.options)
                 with self.lock:
                     self.instances[key] = instance
-                answer = reset_answer(self._call(instance.reset, payload))
-            else:
-                with self.lock:
-                    instance = self.instances.get(key)
-                if instance is None:
-                    raise LookupError("no environment instance for this trajectory (its reset failed)")
-                answer = step_answer(self._call(instance.step, payload))
+                return reset_answer(self._call(instance.reset, payload))
+            with self.lock:
+                instance = self.instances.get(key)
+            if instance is None:
+                raise LookupError("no environment instance for this trajectory (its reset failed)")
+            return step_answer(self._call(instance.step, payload))
         except ReturnError as e:
-            answer = Answer("", error=cut(str(e), ERROR_CHARS)[0])
+            return Answer("", error=_utf8(cut(str(e), ERROR_CHARS)[0]))
         except BaseException as e:  # SystemExit and the like from the environment are its errors too
-            answer = Answer("", error=_raised(e))
-        self.reply(call, Answer(answer.observation, answer.reward, answer.done, answer.error,
-                                time.perf_counter() - start, answer.truncated))
+            return Answer("", error=_raised(e))
 
     def _call(self, method: Callable[[Any], Any], arg: Any) -> Any:
         value = method(arg)

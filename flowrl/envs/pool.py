@@ -7,7 +7,8 @@ trajectory's reset and steps; the environments run in warm worker processes (`fl
   event loop). `workers = 0` runs the same calls in threads of this process.
 - A future never raises. `timeout` holds for each call from the moment it reaches its worker (start-up is not
   counted): past it the future resolves as `Outcome(error="timeout after S s", timed_out=True)` and `on_error`
-  applies; the call's late answer is dropped. A worker with a call still running at 2 × timeout, or that died
+  applies; the call's late answer is dropped (`timeout = 0`: no limit). Calls on one instance run in turn: a step
+  sent after a timed-out one waits for it, in its own time limit. A worker with a call still running at 2 × timeout, or that died
   (a crash, `os._exit`, a signal), or that answered garbage, is killed and replaced; the trajectories whose
   instances it held cannot go on: their pending calls and any later step resolve with an error and done True.
 - `on_error`: "observe" gives the error text back as the observation (done False; a failed reset ends its
@@ -23,6 +24,7 @@ trajectory's reset and steps; the environments run in warm worker processes (`fl
 from __future__ import annotations
 
 import itertools
+import math
 import threading
 import time
 from collections.abc import Hashable, Mapping
@@ -288,14 +290,17 @@ class EnvPool:
             pending = [c for c in calls if not c.timed_out]
             for c in pending:
                 self._record(c.key, c.op, error)
-            self.workers[worker.index] = self._spawn(worker.index)
+            try:
+                self.workers[worker.index] = self._spawn(worker.index)
+            except OSError as e:  # no process can be started (no memory, no descriptors): no call can run
+                self._break(f"a worker could not be started again: {e}")
         worker.stop(kill=True)
         for c in pending:
             _resolve(c.future, Outcome("", done=True, error=error))
 
     def _watch(self) -> None:
         """Resolve calls past `timeout`; kill workers holding a call past 2 × timeout."""
-        limit = self.spec.timeout
+        limit = self.spec.timeout if self.spec.timeout > 0 else math.inf  # 0: no limit
         while True:
             late: list[_Call] = []
             stuck: list[Worker] = []

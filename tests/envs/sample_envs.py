@@ -118,6 +118,8 @@ class Hostile:
             body = b'{"not": "an answer"}'
             os.write(int(sys.argv[1]), struct.pack("!i", len(body)) + body)
             threading.Event().wait()
+        if action == "surrogate":
+            return "a\ud800b", 0.0, False
         if action == "modules":
             return " ".join(sorted(m for m in ("torch", "flowrl.runtime", "numpy") if m in sys.modules)), 0.0, False
         return "pid=" + str(os.getpid()), 0.0, False

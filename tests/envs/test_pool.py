@@ -94,6 +94,22 @@ def test_answers_come_back_out_of_order(tmp_path: Path) -> None:
         pool.close()
 
 
+def test_calls_on_one_instance_run_in_turn(tmp_path: Path) -> None:
+    """A step sent while the instance's earlier step still runs (as after a timeout) waits for it."""
+    pool = EnvPool(spec("Gate", workers=1))
+    try:
+        for key in ("k", "other"):
+            result(pool.reset(key, {"gate": str(tmp_path / "open")}))
+        first = pool.step("k", "wait")
+        second = pool.step("k", "go")
+        assert result(pool.step("other", "go")).observation == "quick"  # sent after both, answered first
+        assert not first.done() and not second.done()
+        (tmp_path / "open").touch()
+        assert (result(first).observation, result(second).observation) == ("opened", "quick")
+    finally:
+        pool.close()
+
+
 def test_random_latencies_each_answer_its_own_call() -> None:
     pool = EnvPool(spec("Sleepy", workers=2))
     rng = random.Random(0)
@@ -189,7 +205,8 @@ def test_a_worker_that_answers_garbage_is_replaced() -> None:
     ("raise", "", 0.0, "raised ValueError: bad action"),
     ("exit-call", "", 0.0, "raised SystemExit: 2"),
     ("fake", "real", 0.5, None),  # a str and a float subclass whose overrides lie: converted by exact type
-    ("print", "printed", 0.0, None),  # stdout is not the protocol: prints (even an answer's JSON) change nothing
+    ("print", "printed", 0.0, None),
+    ("surrogate", "a?b", 0.0, None),  # what UTF-8 cannot write (a rollout goes to files) becomes "?"  # stdout is not the protocol: prints (even an answer's JSON) change nothing
 ])
 def test_hostile_return_values(hostile: EnvPool, action: str, observation: str, reward: float,
                                error: str | None) -> None:
