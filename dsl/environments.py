@@ -3,7 +3,8 @@ the names a step uses for them, and a generate node's `env` argument -> the spec
 
 A generate node that runs an environment carries the whole spec in its attrs (`attrs["env"]`, a plain dict of
 EnvSpec's fields, with the flow's folder and imports), so every backend's worker gets it with the node and
-builds its pool from it; `attrs["max_total"]` caps a trajectory's response tokens (0: max_turns x max_tokens).
+builds its pool from it; `attrs["max_total"]` caps a trajectory's response tokens (0: the model's positions), `attrs["env_at"]` says
+where the env is declared.
 """
 
 from __future__ import annotations
@@ -89,10 +90,12 @@ def env_bindings(decls: Sequence[ast.EnvDecl], src: Source) -> dict[str, Literal
     return out
 
 
-def attach_envs(rep: Reporter, nodes: Sequence[Node], envs: Mapping[str, EnvInfo],
+def attach_envs(rep: Reporter, src: Source, nodes: Sequence[Node], envs: Mapping[str, EnvInfo],
                 written: Mapping[tuple[str, str], tuple[Source, ast.Located]]) -> list[Node]:
-    """Generate nodes with their env's spec in place of its name (an unknown name reported where it was written);
-    a generate without an environment keeps no `env` key, so its graph is what it was before environments."""
+    """Generate nodes with their env's spec in place of its name (an unknown name reported where it was written),
+    `max_total`, and `env_at`: where the env is declared (run-time errors name it); a generate without an
+    environment keeps no `env` key, so its graph is what it was before environments."""
+    src_of = {name: src.loc(info.decl) for name, info in envs.items()}
     out = []
     for n in nodes:
         name = n.attrs.get("env") if n.op == "generate" else None
@@ -111,6 +114,7 @@ def attach_envs(rep: Reporter, nodes: Sequence[Node], envs: Mapping[str, EnvInfo
                       'declare it: `env NAME = "module.Class" { ... }` or `tool NAME = "module.fn" { ... }`')
             out.append(replace(n, attrs=frozen(rest)))
             continue
-        out.append(replace(n, attrs=frozen({**rest, "env": dict(info.spec), "max_total": info.max_total})))
+        out.append(replace(n, attrs=frozen({**rest, "env": dict(info.spec), "max_total": info.max_total,
+                                            "env_at": str(src_of[str(name)])})))
     return out
 

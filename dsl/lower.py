@@ -122,7 +122,7 @@ class _Lowering:
             env.setdefault("reward", RewardB("reward", ENV_ONLY_REWARD))
         body, template = self._iteration(iterations, env, ovr)
         steps = StepLowering(self.rep, sources)
-        nodes = attach_envs(self.rep, steps.lower(body) if body is not None else [], envs, steps.written)
+        nodes = attach_envs(self.rep, self.src, steps.lower(body) if body is not None else [], envs, steps.written)
         if envs_ast and all(r.target != ENV_ONLY_REWARD for r in rewards) and any(
                 n.op == "reward" and n.attrs.get("fn") == ENV_ONLY_REWARD for n in nodes):
             rewards.append(RewardDecl("reward", ENV_ONLY_REWARD, self.src.loc(envs_ast[0]), False, "python", frozen()))

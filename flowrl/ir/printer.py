@@ -44,7 +44,7 @@ def format_node(n: Node) -> str:
         call = f"{n.op}:{n.attrs.get('fn')}"
     args = ", ".join(f"{p}={i}" for p, i in n.inputs)
     attrs = {k: v for k, v in n.attrs.items() if not (n.op in ("fn", "reward") and k == "fn")
-             and k not in ("env", "max_total")}
+             and k not in ("env", "max_total", "env_at")}
     env = env_label(n.attrs)
     shown = ", ".join(x for x in (f"env={env}" if env else "", _kv(attrs)) if x)
     tail = f" {{{shown}}}" if shown else ""

@@ -9,6 +9,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from flowrl.data.jsonl import PromptLoader
 from flowrl.errors import Diagnostic, ExecutionError, FlowError, user_frame_hint
 from flowrl.ir.graph import Graph, Node
@@ -205,9 +207,12 @@ def _summary(graph: Graph, values: Mapping[str, Batch]) -> dict[str, float]:
     out: dict[str, float] = {}
     rollout = next((values[n.id] for n in graph.nodes if n.op == "generate" and n.id in values), None)
     if rollout is not None:
-        lens = rollout["response_mask"].sum(1).float()
+        # generated tokens: a rollout from an environment also holds observation tokens, which are not generated
+        lens = rollout["loss_mask" if "loss_mask" in rollout.tensors else "response_mask"].sum(1).float()
         out["response_len_mean"] = float(lens.mean())
         out["gen_tokens"] = float(lens.sum())
+        if "env_turns" in rollout.tensors:
+            out.update(env_metrics(rollout))
     rewards = [n for n in graph.nodes if n.op in ("reward", "score") and n.id in values]
     for i, n in enumerate(rewards):
         mean = float(values[n.id]["scores"].mean())
@@ -218,11 +223,31 @@ def _summary(graph: Graph, values: Mapping[str, Batch]) -> dict[str, float]:
     for n in graph.nodes:
         old, ref = n.input("old_logp"), n.input("ref_logp")
         if n.op == "update" and old is not None and ref is not None and old in values and ref in values:
-            mask = values[old]["response_mask"].float()
+            trained = "loss_mask" if "loss_mask" in values[old].tensors else "response_mask"
+            mask = values[old][trained].float()
             diff = (values[old].value("logp") - values[ref].value("logp")) * mask
             out["kl_mean"] = float(diff.sum() / mask.sum().clamp(min=1))
             break
     return out
+
+
+def env_metrics(rollout: Batch) -> dict[str, float]:
+    """A rollout generated with an environment (issue 26's batch contract): turns, the environment's calls'
+    seconds (p50, p99), errors and timeouts, tool calls per trajectory, return, prefilled tokens per trajectory,
+    and the fraction of the generation call spent with nothing to decode while environments were pending."""
+    seconds = torch.tensor([s for row in rollout.meta.get("env_step_s", []) for s in row], dtype=torch.float64)
+    wall = float(rollout["gen_wall_s"].sum())
+    return {
+        "env/turns_mean": float(rollout["env_turns"].float().mean()),
+        "env/step_s_p50": float(seconds.quantile(0.5)) if seconds.numel() else 0.0,
+        "env/step_s_p99": float(seconds.quantile(0.99)) if seconds.numel() else 0.0,
+        "env/errors": float(rollout["env_errors"].sum()),
+        "env/timeouts": float(rollout["env_timeouts"].sum()),
+        "env/tool_calls_mean": float(rollout["env_calls"].float().mean()),
+        "env/idle_frac": float(rollout["gen_idle_s"].sum()) / wall if wall > 0 else 0.0,
+        "env/return_mean": float(rollout["env_return"].float().mean()),
+        "env/prefill_tokens_mean": float(rollout["prefill_tokens"].float().mean()),
+    }
 
 
 def _context(node: Node, flow_path: str, error: BaseException | None = None) -> Diagnostic:

@@ -5,6 +5,7 @@ for the Ray backend — so both backends run the same model code.
 
 from __future__ import annotations
 
+import weakref
 import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ from flowrl.runtime.chunks import (
     sampling_of,
     score_chunks,
 )
+from flowrl.runtime.env_rollout import EnvPools, env_generate, env_spec_of
 from flowrl.runtime.schedule import Turn, interleave, taking_turns
 from flowrl.runtime.transport import pack, unpack
 
@@ -115,6 +117,8 @@ class ModelWorker:
         self.trainers: dict[str, Trainer] = {}
         self.generators: dict[str, Any] = {}  # model -> VLLMGenerator, for engine = "vllm"
         self.growing: dict[str, tuple[str, IncrementalScorer]] = {}  # node id -> (fused stage, its scorer)
+        self.envs = EnvPools()  # generate with `env`: warm pools kept across steps, closed with the worker
+        weakref.finalize(self, self.envs.close)
         for m in models:
             options: Mapping[str, Any] = m.options
             check_engine(m.engine, m.role, model=m.name, trainable=m.trainable, source=m.source,
@@ -147,6 +151,10 @@ class ModelWorker:
         a = GenerateAttrs.of(attrs)
         ids = self._prompt_ids(model, prompts, a.max_tokens)
         slots = prompt_slots(prompts)
+        spec = env_spec_of(attrs)
+        if spec is not None:  # multi-turn: the policy acts, the environment answers (flowrl.runtime.env_rollout)
+            return env_generate(loaded.module, tok, ids, prompts, attrs, self.envs.get(spec), step_seed=step_seed,
+                                slots=slots, device=str(self.device))
         if model in self.generators:  # engine = "vllm"
             out = self.generators[model].generate(
                 ids, n=a.n, max_tokens=a.max_tokens, min_tokens=a.min_tokens, temperature=a.temperature,
@@ -389,6 +397,10 @@ class ModelWorker:
         """Weights as `weights` returns them, packed or not."""
         self.models[model].module.load_state_dict(unpack(weights))
         weights_changed(self.models[model].module)
+
+    def close(self) -> None:
+        """Stop what the worker holds beyond its models: the environment pools' processes."""
+        self.envs.close()
 
     def pad_id(self, model: str) -> int:
         """The token id that pads `model`'s rollouts (what a group merging its ranks' rollouts fills with)."""
