@@ -20,6 +20,8 @@ while the tail still decodes (a stage of generation and such rewards alone fuses
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from flowrl.ir.attrs import GenerateAttrs
 from flowrl.ir.graph import Graph, Node
 from flowrl.passes.common import forwards_over, position, rewards_over, rollouts, scored_beside
@@ -47,6 +49,11 @@ FLUSH_STEPS = 8
 def why_not_stream(graph: Graph, gen: Node) -> str | None:
     """None when `gen` can stream finished samples downstream, else why it cannot (one per condition)."""
     model = graph.model(str(gen.model))
+    env = gen.attrs.get("env")
+    if isinstance(env, Mapping):
+        # Multi-turn generation (flowrl.engines.turns) returns its trajectories at the end of the call: it does
+        # not hand finished ones over yet, and a trajectory is finished only when its environment says so.
+        return f"generate runs an environment ({env.get('name')}): its trajectories are returned together"
     if gen.attrs.get("max_staleness"):
         # Pass async-rollout: generation runs ahead of training, and the forwards that read it run with the
         # newest weights, steps later.

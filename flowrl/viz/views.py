@@ -14,6 +14,7 @@ from collections.abc import Iterable
 import graphviz
 
 from flowrl.ir.graph import CONTROLLER, Graph, GroupDecl, Node, PoolDecl
+from flowrl.ir.printer import env_label
 from flowrl.viz import style
 from flowrl.viz.timings import Timings
 
@@ -131,9 +132,14 @@ def _nodes(dot: graphviz.Digraph, g: Graph, nodes: Iterable[Node], fused: dict[s
 
 def _data_edges(dot: graphviz.Digraph, g: Graph) -> None:
     """One edge per input; an asynchronous one (pass async-rollout: the value comes from a queue, generated up
-    to max_staleness updates earlier) dashed and labelled so."""
+    to max_staleness updates earlier) dashed and labelled so; a generate that runs an environment gets a dashed
+    self-loop labelled with it (`env calc (tool, max_turns=4)`): the policy acts, the environment answers."""
     k = g.run.get("max_staleness", 0)
     for n in g.nodes:
+        env = env_label(n.attrs) if n.op == "generate" else None
+        if env is not None:  # the environment loop: each turn's action goes out, its observation comes back
+            dot.edge(n.id, n.id, label=f"env {env}", style="dashed", color="#2b8a3e", fontcolor="#2b8a3e",
+                     dir="forward")
         queued = set(str(n.attrs.get("async_inputs") or "").split(","))
         for param, src in n.inputs:
             if src in queued:
