@@ -209,7 +209,8 @@ class Runner:
 
 
 class Worker:
-    """One worker process, from the pool's side: its connection, a reader thread, and the messages held until it is ready."""
+    """One worker process, from the pool's side: its connection, a reader thread, and the messages held until
+    it is ready."""
 
     def __init__(self, index: int, spec: EnvSpec, on_ready: Callable[[Worker, str | None], None],
                  on_answer: Callable[[Worker, bytes], None], on_exit: Callable[[Worker], None]):

@@ -8,9 +8,10 @@ trajectory's reset and steps; the environments run in warm worker processes (`fl
 - A future never raises. `timeout` holds for each call from the moment it reaches its worker (start-up is not
   counted): past it the future resolves as `Outcome(error="timeout after S s", timed_out=True)` and `on_error`
   applies; the call's late answer is dropped (`timeout = 0`: no limit). Calls on one instance run in turn: a step
-  sent after a timed-out one waits for it, in its own time limit. A worker with a call still running at 2 × timeout, or that died
-  (a crash, `os._exit`, a signal), or that answered garbage, is killed and replaced; the trajectories whose
-  instances it held cannot go on: their pending calls and any later step resolve with an error and done True.
+  sent after a timed-out one waits for it, in its own time limit. A worker with a call still running at
+  2 × timeout, or that died (a crash, `os._exit`, a signal), or that answered garbage, is killed and replaced;
+  the trajectories whose instances it held cannot go on: their pending calls and any later step resolve with an
+  error and done True.
 - `on_error`: "observe" gives the error text back as the observation (done False; a failed reset ends its
   trajectory all the same: there is no instance to step); "end" ends the trajectory (reward 0); "raise" ends it
   too and records the first failure as `failed`, an `EnvError` naming the environment, the call and the
@@ -132,6 +133,12 @@ class EnvPool:
                 _resolve(call.future, Outcome("", done=True, error="the environment pool was closed"))
 
     # ---- beyond the protocol -----------------------------------------------------------------------------
+
+    def __enter__(self) -> EnvPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def start(self) -> None:
         """Start the workers now and wait until they are ready; raises `EnvLoadError` when the class cannot

@@ -37,7 +37,8 @@ def test_a_tool_becomes_an_environment_class() -> None:
 
 @pytest.mark.parametrize(("target", "kind", "keys", "problem"), [
     ("no_such_module_xyz.Calc", "env", {},
-     "env 'calc': cannot import module 'no_such_module_xyz': ModuleNotFoundError: No module named 'no_such_module_xyz'"),
+     "env 'calc': cannot import module 'no_such_module_xyz': ModuleNotFoundError: "
+     "No module named 'no_such_module_xyz'"),
     ("sample_envs.Nope", "env", {}, "module 'sample_envs' has no class 'Nope'"),
     ("Calc", "env", {}, "env 'calc': 'Calc' is not a dotted path"),
     ("sample_envs.calc", "env", {}, "env 'calc': 'sample_envs.calc' is a function, not a class"),

@@ -205,8 +205,8 @@ def test_a_worker_that_answers_garbage_is_replaced() -> None:
     ("raise", "", 0.0, "raised ValueError: bad action"),
     ("exit-call", "", 0.0, "raised SystemExit: 2"),
     ("fake", "real", 0.5, None),  # a str and a float subclass whose overrides lie: converted by exact type
-    ("print", "printed", 0.0, None),
-    ("surrogate", "a?b", 0.0, None),  # what UTF-8 cannot write (a rollout goes to files) becomes "?"  # stdout is not the protocol: prints (even an answer's JSON) change nothing
+    ("print", "printed", 0.0, None),  # stdout is not the protocol: prints (even an answer's JSON) change nothing
+    ("surrogate", "a?b", 0.0, None),  # what UTF-8 cannot write (a rollout goes to files) becomes "?"
 ])
 def test_hostile_return_values(hostile: EnvPool, action: str, observation: str, reward: float,
                                error: str | None) -> None:
@@ -300,8 +300,7 @@ def test_a_class_that_cannot_load(workers: int) -> None:
 
 
 def test_release_and_step_before_reset() -> None:
-    pool = EnvPool(spec("Counter", workers=1))
-    try:
+    with EnvPool(spec("Counter", workers=1)) as pool:
         with pytest.raises(KeyError, match="step before reset"):
             pool.step("k", "x")
         result(pool.reset("k", {}))
@@ -310,8 +309,8 @@ def test_release_and_step_before_reset() -> None:
         assert pool.load == [0]
         with pytest.raises(KeyError):
             pool.step("k", "x")
-    finally:
-        pool.close()
+        (pid,) = pool.pids()
+    assert gone(pid) and pool.closed  # the with block closed it
 
 
 def test_close_leaves_no_process_and_resolves_what_is_pending() -> None:
