@@ -181,6 +181,20 @@ def test_a_crash_ends_the_trajectories_of_its_worker_and_the_others_go_on() -> N
         pool.close()
 
 
+def test_a_worker_killed_from_outside_mid_call(tmp_path: Path) -> None:
+    """The OOM killer's way: SIGKILL while a call runs (a call that cannot finish until the gate opens)."""
+    with EnvPool(spec("Gate", workers=1)) as pool:
+        result(pool.reset("k", {"gate": str(tmp_path / "never")}))
+        pending = pool.step("k", "wait")
+        (pid,) = pool.pids()
+        os.kill(pid, signal.SIGKILL)
+        assert result(pending) == Outcome("", 0.0, True, "the environment worker died of signal 9 (SIGKILL): "
+                                                         "this trajectory's instance is gone")
+        until(lambda: pool.replaced == 1, "a worker in the killed one's place")
+        result(pool.reset("k", {"gate": str(tmp_path / "never")}))
+        assert result(pool.step("k", "go")).observation == "quick"
+
+
 def test_a_worker_that_answers_garbage_is_replaced() -> None:
     pool = EnvPool(spec("Hostile", workers=1))
     try:
