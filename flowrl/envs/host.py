@@ -72,6 +72,8 @@ def read_answer(data: bytes) -> tuple[int, Answer]:
     if any(type(v) is bool and t is not bool or not isinstance(v, t) for v, t in kinds) or \
             not (error is None or isinstance(error, str)):
         raise ValueError("an answer of the wrong types")
+    if not math.isfinite(reward):  # JSON's NaN and Infinity parse; a reward never is one
+        raise ValueError("an answer with a reward that is not finite")
     return call, Answer(obs, float(reward), done, error, float(seconds), truncated)
 
 
@@ -124,7 +126,7 @@ def _reward(value: Any) -> float:
 def _done(value: Any) -> bool:
     if isinstance(value, bool):
         return value
-    if type(value).__module__ == "numpy" and type(value).__name__ == "bool_":
+    if type(value).__module__ == "numpy" and type(value).__name__ in ("bool_", "bool"):  # numpy 1 and 2
         return bool(value)
     raise ReturnError(f"step's done is a {type(value).__name__}, not a bool: {_show(value)}")
 

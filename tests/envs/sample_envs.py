@@ -120,6 +120,10 @@ class Hostile:
             threading.Event().wait()
         if action == "surrogate":
             return "a\ud800b", 0.0, False
+        if action == "numpy":
+            import numpy as np
+
+            return "obs", np.float32(0.25), np.bool_(True)
         if action == "modules":
             return " ".join(sorted(m for m in ("torch", "flowrl.runtime", "numpy") if m in sys.modules)), 0.0, False
         return "pid=" + str(os.getpid()), 0.0, False

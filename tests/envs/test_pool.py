@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from flowrl.envs import EnvError, EnvLoadError, EnvPool, EnvSpec, Outcome
-from flowrl.envs.host import OBSERVATION_CHARS
+from flowrl.envs.host import OBSERVATION_CHARS, Answer, read_answer
 
 HERE = str(Path(__file__).resolve().parent)
 SLOW = 30.0  # a timeout no well-behaved call here comes near, however loaded the machine
@@ -337,3 +337,22 @@ def test_close_leaves_no_process_and_resolves_what_is_pending() -> None:
     assert all(gone(pid) for pid in pids)
     assert result(hanging) == Outcome("", 0.0, True, "the environment pool was closed")
     assert result(pool.reset("k", {})).error == "the environment pool is closed"
+
+
+@pytest.mark.parametrize("data", [
+    b'{"ready": true}', b"[1, 2]", b'[0, "obs", NaN, false, null, 0.0, false]',
+    b'[0, "obs", 1.0, 1, null, 0.0, false]', b'[true, "obs", 1.0, false, null, 0.0, false]',
+    b'[0, ["obs"], 1.0, false, null, 0.0, false]', b'[0, "obs", 1.0, false, 3, 0.0, false]', b"not json",
+])
+def test_what_a_worker_sends_is_checked_before_it_is_believed(data: bytes) -> None:
+    with pytest.raises(ValueError):
+        read_answer(data)
+    assert read_answer(b'[7, "obs", 1, true, null, 0.5, false]') == (7, Answer("obs", 1.0, True, None, 0.5, False))
+
+
+def test_numpy_rewards_and_dones_are_taken() -> None:
+    with EnvPool(spec("Hostile", workers=0)) as pool:
+        result(pool.reset("k", {}))
+        out = result(pool.step("k", "numpy"))
+        assert (out.observation, out.reward, out.done, out.error) == ("obs", 0.25, True, None)
+        assert type(out.reward) is float and type(out.done) is bool
