@@ -62,6 +62,7 @@ class ServerlessBackend:
         self.unmeasured = 0  # tasks whose events never came (charged by their own timers)
         self.tail: list[Usage] = []  # what shutdown found after the last step's usage
         self.held_total_s = 0.0  # the whole run's device-seconds as the cluster counted them (set at shutdown)
+        self.shared_slots: Slots | None = None  # the run's device slots, shared by its pools
 
     def start(self, graph: Graph, *, seed: int, device: str) -> dict[str, WorkerGroup]:
         self.session.open()
@@ -92,7 +93,8 @@ class ServerlessBackend:
             policy = replace(policy, tau=1.0)
         if "prewarm" in self.ablate:
             policy = replace(policy, prewarm=False)
-        slots = Slots(total)  # the cluster's slots now: waiting instances never hold what their peers need
+        slots = self.shared_slots = Slots(total)  # the cluster's slots now: waiting instances never hold what
+        # their peers need
         acquire = None
         if joined:  # a cluster may lack what a pool needs: fail within `acquire_timeout`, naming the pool
             acquire = Acquire(float(str(r.get("acquire_timeout", 60.0))), self.clock, pools)
@@ -188,7 +190,10 @@ class ServerlessBackend:
 
     def shutdown(self) -> None:
         """Release the waiting instances; once every task has returned, keep what ran after the last step's
-        usage (`usage()` gives it) and the whole run's held device-seconds as the cluster counted them."""
+        usage (`usage()` gives it) and the whole run's held device-seconds as the cluster counted them. Then
+        leave nothing of the run on the cluster: the Mailbox actor ends and every object reference the pools
+        held is dropped, so on a cluster the driver stays connected to (a notebook, a script that goes on) no
+        node keeps an actor or a pinned object of the run, and an autoscaler can remove the nodes it added."""
         for g in self.groups.values():
             g.close()
         try:
@@ -199,5 +204,11 @@ class ServerlessBackend:
                 names = {a.name for a in self.clock.attempts()}
                 self.held_total_s = sum(sum(each) for each in self.clock.held(names)[0].values())
         finally:
-            self.groups, self.mailbox = {}, None
+            for g in self.groups.values():
+                g.forget()
+            if self.shared_slots is not None:
+                self.shared_slots.forget()
+            if self.mailbox is not None and ray.is_initialized():
+                ray.kill(self.mailbox, no_restart=True)
+            self.groups, self.mailbox, self.shared_slots = {}, None, None
             self.session.close()

@@ -382,3 +382,10 @@ class ServerlessGroup:
     def drain(self, timeout_s: float = 60.0) -> None:
         """Wait (at most `timeout_s`) until the instances released unused have returned."""
         self.prewarm.wait_returned(timeout_s)
+
+    def forget(self) -> None:
+        """After the run: drop every object reference the group holds (its weights' versions, its instances'
+        results), so that nothing of the run stays pinned in a node's object store once the driver lets go of
+        the group (an autoscaler removes only nodes that hold no object, no actor and no task)."""
+        self.state = {m: (0, []) for m in self.models}
+        self.prewarm.forget()

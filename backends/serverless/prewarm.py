@@ -168,6 +168,11 @@ class Prewarmer:
         if refs:
             ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
 
+    def forget(self) -> None:
+        """After the run (closed, drained): drop the references to the instances' results."""
+        with self.lock:
+            self.warm, self.unused = [], []
+
     def close(self) -> None:
         """Stop pre-warming and release the instances still waiting."""
         with self.lock:

@@ -59,6 +59,11 @@ class Slots:
         for keep in keepers:  # outside the lock: a keeper takes its pool's lock, then this one's (room)
             keep()
 
+    def forget(self) -> None:
+        """After the run: drop the references to the tasks' results (and the pools' callbacks)."""
+        with self.lock:
+            self.out, self.leaving, self.yielders, self.keepers = {}, set(), {}, []
+
     def taken(self, pool: str, ref: Any) -> None:
         """A task of `pool` was submitted: it holds (or waits for) a slot until `ref` (its stats) is ready."""
         with self.lock:
