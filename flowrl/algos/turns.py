@@ -19,7 +19,11 @@ from torch import Tensor
 
 from flowrl.algos.advantages import _group_index, _group_sum, group_baseline
 
-__all__ = ["last_valid_index", "token_rewards", "turn_advantages", "turn_returns", "turn_rloo_advantages"]
+# Relative spread of a group's total returns below which they count as equal (float32 rounding of sums of
+# rewards is ~1e-7 relative): such a group is centred, not divided by its (near-zero) std.
+FLAT = 1e-5
+
+__all__ = ["FLAT", "last_valid_index", "token_rewards", "turn_advantages", "turn_returns", "turn_rloo_advantages"]
 
 
 def last_valid_index(mask: Tensor) -> Tensor:
@@ -91,6 +95,11 @@ def turn_advantages(
     `grpo_advantages`. With one turn per trajectory this is GRPO's advantage of s_i + r_i broadcast on the
     action tokens.
 
+    A group whose total returns are all equal (std_g <= FLAT * (1 + |b_g|), rounding included) is centred
+    only. GRPO gives 0 there whatever it divides by; here a later turn's return still differs from the
+    baseline (the rewards before it are behind it: three misses at -0.1 give G = -0.3, -0.2, -0.1 against
+    b = -0.3), and dividing that by eps would make advantages of 1e5 and wreck the update.
+
     turn_rewards, turn_index, loss_mask: (B, T) (see the module docstring); scores: (B,) the declared
     rewards' score; group: as in `grpo_advantages`. 0 off the loss mask.
     """
@@ -100,7 +109,9 @@ def turn_advantages(
     tokens = g.gather(1, turn_index.long().clamp(min=0))  # (B, T)
     adv = tokens - mean[:, None]
     if norm_std:
-        adv = adv / (std[:, None] + eps)
+        flat = std <= FLAT * (1 + mean.abs())  # (B,) no spread among the totals: centre only
+        scale = torch.where(flat, torch.ones_like(std), std + eps)  # (B,)
+        adv = adv / scale[:, None]
     keep = (loss_mask > 0) & (turn_index >= 0)
     return torch.where(keep, adv, torch.zeros_like(adv))
 

@@ -159,3 +159,18 @@ def test_nothing_is_trained_through() -> None:
     assert not turn_advantages(rewards, TURN_INDEX, LOSS_MASK, scores, 4).requires_grad
     assert not turn_rloo_advantages(rewards, TURN_INDEX, LOSS_MASK, scores, 4).requires_grad
     assert not token_rewards(scores, LOSS_MASK, rewards).requires_grad
+
+
+def test_a_group_with_equal_total_returns_is_centred_not_blown_up() -> None:
+    """Four games lost the same way (three misses at -0.1, score 0): every total is -0.3, std 0. Turn k's
+    return is -0.3 + 0.1 k, so against b = -0.3 the turns get 0, 0.1, 0.2 (centred only): dividing by
+    std + eps = 1e-6 would give 1e5 and 2e5."""
+    index = torch.tensor([[0, 0, 1, 1, 2, 2]]).repeat(4, 1)
+    mask = torch.tensor([[1, 0, 1, 0, 1, 0]]).repeat(4, 1)
+    rewards = torch.tensor([[-0.1, 0, -0.1, 0, -0.1, 0]]).repeat(4, 1)
+    a = turn_advantages(rewards, index, mask, torch.zeros(4), 4)
+    close(a, [[0.0, 0, 0.1, 0, 0.2, 0]] * 4)
+    # One game scored 0.4 more: totals [-0.3, -0.3, -0.3, 0.1], mean -0.2, unbiased std sqrt(0.12 / 3) = 0.2.
+    # Row 0: G = [-0.3, -0.2, -0.1] -> [-0.5, 0, 0.5]; row 3: G = [0.1, 0.2, 0.3] -> [1.5, 2, 2.5].
+    b = turn_advantages(rewards, index, mask, torch.tensor([0.0, 0.0, 0.0, 0.4]), 4, eps=0.0)
+    close(b[[0, 3]][:, [0, 2, 4]], [[-0.5, 0.0, 0.5], [1.5, 2.0, 2.5]])
