@@ -32,7 +32,15 @@ from flowrl.ir.signatures import (
 )
 
 from . import ast
-from .checks import Flow, check_device, check_env_class, check_flow, check_shape, check_source
+from .checks import (
+    Flow,
+    check_device,
+    check_env_class,
+    check_flow,
+    check_shape,
+    check_source,
+    env_class_keywords,
+)
 from .diagnostics import Reporter, Source, did_you_mean
 from .environments import EnvInfo, attach_envs, env_bindings, env_spec
 from .keys import Entry as _Entry
@@ -211,11 +219,21 @@ class _Lowering:
                 continue
             kind = d.kind.name
             keys = TOOL_KEYS if kind == "tool" else ENV_KEYS
-            # an env's other keys go to its class's constructor (EnvSpec.options), unless one looks like a
-            # misspelt key of the block: that is reported with its did-you-mean, as in every other block
-            own = [e for e in d.entries if kind == "tool" or e.key.name in keys or did_you_mean(e.key.name, keys)]
-            options = {e.key.name: to_value(e.value) for e in d.entries if e not in own}
+            # an env's other keys go to its class's constructor (EnvSpec.options) when it takes them; any other
+            # unknown key is reported with its did-you-mean, as in every other block
+            takes = env_class_keywords(d.name.name, str(d.target.value), self.folder, imports) \
+                if kind == "env" and any(e.key.name not in keys for e in d.entries) else set()
+            own = [e for e in d.entries if e.key.name in keys]
             before = len(self.rep.diagnostics)
+            cls = str(d.target.value).rsplit(".", 1)[-1]
+            for e in d.entries:
+                if e.key.name not in keys and takes is not None and e.key.name not in takes:
+                    also = "" if kind == "tool" else \
+                        f"; {cls} takes {', '.join(sorted(takes))}" if takes else f"; {cls} takes no keyword"
+                    self.rep.error(self.src, f"unknown {kind} key `{e.key.name}`", e.key,
+                                   hint=did_you_mean(e.key.name, [*keys, *takes]) or f"{kind} keys: {', '.join(keys)}{also}")
+            options = {e.key.name: to_value(e.value) for e in d.entries
+                       if e.key.name not in keys and (takes is None or e.key.name in takes)}
             block = self._block(own, (), self._ovr, keys, kind)
             values = self._filled(block, keys, kind)
             out[d.name.name] = env_spec(self.rep, self.src, d, block, values, folder=self.folder, imports=imports,
