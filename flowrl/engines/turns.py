@@ -30,7 +30,7 @@ from torch import Tensor, nn
 
 from flowrl.engines.generation import check_sampling_args, left_pad_prompts, prefill_prompts
 from flowrl.engines.sampling import MASK32, Sampler, mix32, row_keys, sampling_seed, slots_of
-from flowrl.engines.turn_cache import RowKV, pack, prefill, row_length, unpack
+from flowrl.engines.turn_cache import RowKV, pack, packed_rows, row_length, unpack
 from flowrl.envs.protocol import Envs, Outcome
 from flowrl.models.build import cache_kw
 from flowrl.models.tokenizer import Tokenizer
@@ -170,6 +170,7 @@ def generate_turns(module: nn.Module, tokenizer: Tokenizer, prompts: Sequence[Se
         tr.future = envs.reset(tr.key, rows[i // n])
     waiting = list(range(len(trajs)))
     batch: _Batch | None = None
+    no_tokens = torch.zeros(0, dtype=torch.long, device=dev)
     idle = 0.0
     with torch.inference_mode():
         while True:
@@ -180,19 +181,19 @@ def generate_turns(module: nn.Module, tokenizer: Tokenizer, prompts: Sequence[Se
                 wait([_future(trajs[i]) for i in waiting], return_when=FIRST_COMPLETED if overlap else ALL_COMPLETED)
                 idle += time.perf_counter() - began
             # The barrier loop looks at its environments only once the whole batch has ended its turns.
+            joining: list[int] = []
             if waiting and (overlap or batch is None):
                 back = [i for i in waiting if _future(trajs[i]).done()]
                 waiting = [i for i in waiting if i not in back]
                 joining = [i for i in back if _settle(trajs[i], _future(trajs[i]).result(), lim, tokenizer, envs)]
-                if joining:
-                    batch = _join(module, trajs, batch, joining, lim)
-            if batch is None:
-                continue
-            batch, leaving = _decode_step(module, sampler, trajs, batch, lim, tokenizer)
-            for i in leaving:
-                tr = trajs[i]
-                tr.future = envs.step(tr.key, tokenizer.decode(tr.ids[tr.turn_start :]))
-                waiting.append(i)
+            tokens = no_tokens
+            if batch is not None:
+                batch, tokens, leaving = _sample(sampler, trajs, batch, lim, tokenizer)
+                for i in leaving:
+                    tr = trajs[i]
+                    tr.future = envs.step(tr.key, tokenizer.decode(tr.ids[tr.turn_start :]))
+                    waiting.append(i)
+            batch = _advance(module, trajs, batch, tokens, joining, lim)
     return _output(trajs, prompts, n, ids, mask, lim.pad, idle, time.perf_counter() - started)
 
 
@@ -239,42 +240,11 @@ def _settle(tr: _Traj, out: Outcome, lim: _Limits, tokenizer: Tokenizer, envs: E
     return True
 
 
-def _join(module: nn.Module, trajs: list[_Traj], batch: _Batch | None, joining: list[int], lim: _Limits) -> _Batch:
-    """Prefill the joining trajectories' new tokens onto their kept caches (one forward), then rebuild the
-    decode batch with them and the rows already in it."""
-    fed = [i for i in joining if trajs[i].feed]
-    if fed:
-        logits, kvs = prefill(module, [_kv(trajs[i]) for i in fed], [trajs[i].feed for i in fed], lim.pad)
-        for r, i in enumerate(fed):
-            trajs[i].kv, trajs[i].logits, trajs[i].feed = kvs[r], logits[r], []
-    if batch is not None:
-        kept = unpack(batch.cache, batch.attn, batch.length, range(len(batch.members)))
-        for r, i in enumerate(batch.members):
-            trajs[i].kv, trajs[i].logits = kept[r], batch.logits[r]
-    members = (batch.members if batch is not None else []) + joining
-    # A member stays at most max_tokens steps before leaving or the next rebuild: that is all the room needed.
-    cache, attn, width = pack(module, [_kv(trajs[i]) for i in members], lim.max_tokens)
-    pos = torch.tensor([row_length(_kv(trajs[i])) for i in members], dtype=torch.long, device=attn.device)
-    logits = torch.stack([_logits(trajs[i]) for i in members])  # (R, V)
-    for i in members:
-        trajs[i].kv = trajs[i].logits = None
-    return _Batch(members, cache, attn, width, pos, logits)
-
-
-def _kv(tr: _Traj) -> RowKV:
-    assert tr.kv is not None
-    return tr.kv
-
-
-def _logits(tr: _Traj) -> Tensor:
-    assert tr.logits is not None
-    return tr.logits
-
-
-def _decode_step(module: nn.Module, sampler: Sampler, trajs: list[_Traj], batch: _Batch, lim: _Limits,
-                 tokenizer: Tokenizer) -> tuple[_Batch | None, list[int]]:
-    """Sample one token for every row; rows whose turn ended leave (caches kept, their token to be fed with
-    the observation); the others are fed. Returns the batch (None once empty) and the leaving trajectories."""
+def _sample(sampler: Sampler, trajs: list[_Traj], batch: _Batch, lim: _Limits,
+            tokenizer: Tokenizer) -> tuple[_Batch | None, Tensor, list[int]]:
+    """Sample one token for every row; rows whose turn ended leave the batch, their caches kept (their token is
+    fed later, before their observation). Returns the batch of the staying rows (None if none), their (R,)
+    tokens, still to be fed, and the leaving trajectories."""
     members = batch.members
     steps = torch.tensor([trajs[i].t for i in members], dtype=torch.long, device=batch.logits.device)
     keys = torch.stack([_turn_key(trajs[i]) for i in members])  # (R, 2)
@@ -295,22 +265,78 @@ def _decode_step(module: nn.Module, sampler: Sampler, trajs: list[_Traj], batch:
             leave.append(r)
         else:
             stay.append(r)
-    if leave:
-        for r, kv in zip(leave, unpack(batch.cache, batch.attn, batch.length, leave), strict=True):
-            trajs[members[r]].kv = kv
+    gone = [members[r] for r in leave]
+    if not leave:
+        return batch, tok, gone
+    for i, kv in zip(gone, unpack(batch.cache, batch.attn, batch.length, leave), strict=True):
+        trajs[i].kv = kv
     if not stay:
-        return None, [members[r] for r in leave]
-    if leave:
-        keep = torch.as_tensor(stay, dtype=torch.long, device=batch.attn.device)
-        batch.cache.batch_select_indices(keep)
-        batch.attn, batch.pos, tok = batch.attn[keep], batch.pos[keep], tok[keep]
-        batch.members = [members[r] for r in stay]
-    batch.length += 1
-    out = module(input_ids=tok[:, None], attention_mask=batch.attn[:, : batch.length],
-                 position_ids=batch.pos[:, None], use_cache=True, **cache_kw(module, batch.cache))  # fmt: skip
-    batch.logits = out.logits[:, -1].float()
-    batch.pos = batch.pos + 1
-    return batch, [members[r] for r in leave]
+        return None, tok[:0], gone
+    keep = torch.as_tensor(stay, dtype=torch.long, device=batch.attn.device)
+    batch.cache.batch_select_indices(keep)
+    batch.attn, batch.pos, batch.logits = batch.attn[keep], batch.pos[keep], batch.logits[keep]
+    batch.members = [members[r] for r in stay]
+    return batch, tok[keep], gone
+
+
+def _advance(module: nn.Module, trajs: list[_Traj], batch: _Batch | None, tokens: Tensor, joining: list[int],
+             lim: _Limits) -> _Batch | None:
+    """One forward: the batch's rows feed their sampled `tokens`; the `joining` trajectories, packed in after
+    them, feed their new tokens (the last action token and the observation) onto their kept caches in the
+    same forward. Returns the batch with every row's next-token scores."""
+    if not joining:
+        if batch is None:
+            return None
+        batch.length += 1
+        out = module(input_ids=tokens[:, None], attention_mask=batch.attn[:, : batch.length],
+                     position_ids=batch.pos[:, None], use_cache=True, **cache_kw(module, batch.cache))  # fmt: skip
+        batch.logits = out.logits[:, -1].float()
+        batch.pos = batch.pos + 1
+        return batch
+    members = (batch.members if batch is not None else []) + joining
+    feeds = [[t] for t in tokens.tolist()] + [trajs[i].feed for i in joining]
+    grow = max(len(f) for f in feeds)  # 0 only when every row joins with an empty reset observation
+    packed = packed_rows(batch.cache, batch.attn, batch.length) if batch is not None else None
+    kvs = [_kv(trajs[i]) for i in joining]
+    # After this forward a row stays at most max_tokens steps before it leaves or the batch is packed again.
+    cache, mask, width = pack(module, kvs, grow + lim.max_tokens, packed)
+    dev = mask.device
+    start = torch.tensor([row_length(kv) for kv in kvs], dtype=torch.long, device=dev)
+    if batch is not None:
+        start = torch.cat([batch.pos, start])  # (R,) position of each row's first new token
+    ids = torch.full((len(feeds), grow), lim.pad, dtype=torch.long, device=dev)  # (R, grow) left-padded
+    new = torch.zeros((len(feeds), grow), dtype=torch.long, device=dev)
+    for row, feed in enumerate(feeds):
+        if feed:
+            ids[row, grow - len(feed) :] = torch.as_tensor(feed, dtype=torch.long)
+            new[row, grow - len(feed) :] = 1
+    attn = torch.cat([mask, new, torch.ones((len(feeds), lim.max_tokens), dtype=torch.long, device=dev)], 1)
+    if grow:
+        # Pads take the last real position (never read); new tokens continue each row's own count.
+        positions = start[:, None] + new.cumsum(1) - 1  # (R, grow)
+        out = module(input_ids=ids, attention_mask=attn[:, : width + grow], position_ids=positions, use_cache=True,
+                     logits_to_keep=1, **cache_kw(module, cache))  # fmt: skip
+        logits = out.logits[:, -1].float()  # (R, V)
+        offset = len(members) - len(joining)
+        for r, i in enumerate(joining):
+            if not trajs[i].feed:  # an empty reset observation: the prompt's prefill scored its next token
+                logits[offset + r] = _logits(trajs[i])
+    else:
+        logits = torch.stack([_logits(trajs[i]) for i in joining])
+    for i in joining:
+        trajs[i].kv = trajs[i].logits = None
+        trajs[i].feed = []
+    return _Batch(members, cache, attn, width + grow, start + new.sum(1), logits)
+
+
+def _kv(tr: _Traj) -> RowKV:
+    assert tr.kv is not None
+    return tr.kv
+
+
+def _logits(tr: _Traj) -> Tensor:
+    assert tr.logits is not None
+    return tr.logits
 
 
 def _turn_key(tr: _Traj) -> Tensor:

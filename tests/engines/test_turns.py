@@ -19,7 +19,7 @@ from transformers import DynamicCache
 
 from flowrl.engines.forward import forward_logprobs
 from flowrl.engines.sampling import row_keys
-from flowrl.engines.turn_cache import pack, prefill, unpack
+from flowrl.engines.turn_cache import pack, packed_rows, unpack
 from flowrl.engines.turns import ENDED, TurnOutput, generate_turns, turn_keys
 from flowrl.models.build import ModelSpec, build_model, cache_kw
 from flowrl.models.tokenizer import Tokenizer
@@ -121,35 +121,49 @@ def test_logprobs_equal_a_full_forward_over_the_final_sequence(family: str) -> N
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
-def test_kept_caches_prefilled_and_decoded_equal_a_plain_forward(family: str) -> None:
-    """Rows of different lengths kept apart, new tokens of different lengths prefilled together, then one decode
-    step in a packed batch: each row's scores are a plain forward's over its whole sequence."""
+def test_kept_caches_packed_fed_and_repacked_equal_a_plain_forward(family: str) -> None:
+    """Rows of different lengths kept apart, packed, fed new tokens of different lengths (padding inside rows),
+    packed again with another kept row joining, decoded one step: each row's scores are a plain forward's over
+    its whole sequence, and unpacking drops every padding slot."""
     module, _ = _model(family)
     seqs = [[1, 2, 3], [4], [5, 6, 7, 8, 9, 10]]
-    new = [[11, 12], [13, 14, 15, 16], [2]]
+    new = [[11, 12], [13, 14, 15, 16]]
 
     def plain(ids: list[int]) -> Tensor:
-        with torch.inference_mode():
-            return module(input_ids=torch.tensor([ids])).logits[0, -1].float()
+        return module(input_ids=torch.tensor([ids])).logits[0, -1].float()
+
+    def run(cache: Any, ids: Tensor, attn: Tensor, pos: Tensor) -> Tensor:  # (R, V) last scores
+        out = module(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True, **cache_kw(module, cache))
+        return out.logits[:, -1].float()
 
     with torch.inference_mode():
         kvs = []
-        for ids in seqs:  # each row's own cache, as a trajectory leaving the batch keeps it
-            cache = DynamicCache(config=module.config)
-            module(input_ids=torch.tensor([ids]), use_cache=True, **cache_kw(module, cache))
-            layers: list[Any] = list(cache.layers)
+        for ids in seqs:  # each row's own cache, as a trajectory out of the batch keeps it
+            own = DynamicCache(config=module.config)
+            module(input_ids=torch.tensor([ids]), use_cache=True, **cache_kw(module, own))
+            layers: list[Any] = list(own.layers)
             kvs.append([(layer.keys[0], layer.values[0]) for layer in layers])
-        logits, grown = prefill(module, kvs, new, pad=0)
-        for r in range(3):
+        cache, mask, width = pack(module, kvs[:2], headroom=4)
+        ids = torch.tensor([[0, 0, 11, 12], [13, 14, 15, 16]])  # left-padded new tokens
+        fed = (torch.arange(4) >= torch.tensor([[2], [0]])).long()  # (2, 4)
+        pos = torch.tensor([[3], [1]]) + fed.cumsum(1) - 1
+        attn = torch.cat([mask, fed], dim=1)
+        logits = run(cache, ids, attn, pos)
+        for r in range(2):
             assert torch.allclose(logits[r], plain(seqs[r] + new[r]), atol=1e-5)
-        cache, attn, width = pack(module, grown, headroom=1)
-        pos = torch.tensor([len(seqs[r]) + len(new[r]) for r in range(3)])
-        step = module(input_ids=torch.tensor([[7], [8], [9]]), attention_mask=attn[:, : width + 1],
-                      position_ids=pos[:, None], use_cache=True, **cache_kw(module, cache))  # fmt: skip
-        for r, tok in enumerate([7, 8, 9]):
-            assert torch.allclose(step.logits[r, -1], plain(seqs[r] + new[r] + [tok]), atol=1e-5)
-        back = unpack(cache, attn, width + 1, [1])[0]
-        assert back[0][0].shape[1] == len(seqs[1]) + len(new[1]) + 1  # real tokens only, padding dropped
+        # The third row joins the two (their inner padding kept: it is under half the buffer).
+        cache, mask, width = pack(module, [kvs[2]], 1, packed_rows(cache, attn, width + 4))
+        assert width == 7 and mask.sum(1).tolist() == [5, 5, 6]
+        step = run(cache, torch.tensor([[7], [8], [9]]), torch.cat([mask, torch.ones(3, 1, dtype=torch.long)], 1),
+                   torch.tensor([[5], [5], [6]]))  # fmt: skip
+        whole = [seqs[0] + new[0] + [7], seqs[1] + new[1] + [8], seqs[2] + [9]]
+        for r in range(3):
+            assert torch.allclose(step[r], plain(whole[r]), atol=1e-5)
+        back = unpack(cache, torch.cat([mask, torch.ones(3, 1, dtype=torch.long)], 1), width + 1, [0, 1, 2])
+        assert [kv[0][0].shape[1] for kv in back] == [len(w) for w in whole]
+        # Packed again from the unpacked rows alone: a row's scores do not depend on how it was packed.
+        cache, mask, width = pack(module, back, 0)
+        assert width == 7 and mask.sum(1).tolist() == [6, 6, 7]
 
 
 def _seeded_slow(start: int) -> Callable[[], Any]:
