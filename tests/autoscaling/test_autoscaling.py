@@ -77,9 +77,6 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-@pytest.mark.xfail(reason="open defect (issue 24, 2026-11-25): since pools' lower bounds are kept warm (LO..HI, a plain "
-                          "`gpus = 1` included), one added node stayed busy for 300 s after the run ended in the last "
-                          "check; the run itself, the nodes added and held_s pass", strict=False)
 def test_demand_adds_nodes_and_idle_nodes_go(split_grpo, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     import ray
 
