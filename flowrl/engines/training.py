@@ -28,7 +28,10 @@ LossFn = Callable[[MB], tuple[Tensor, dict[str, float]]]
 # Metrics a loss function computes with the whole mini-batch's denominators (like the loss itself): each
 # micro-batch's (and each data-parallel rank's) value is its share of the whole, so they add up. Every other
 # metric is a per-micro-batch mean (clipfrac, ppo_kl, ...) and is averaged.
-SHARES = frozenset({"loss", "pg_loss", "kl_loss", "entropy", "vf_loss", "kl_mean"})
+SHARES = frozenset({"loss", "pg_loss", "kl_loss", "entropy", "vf_loss", "kl_mean",
+                    # the supervised and preference losses' (flowrl.runtime.preference)
+                    "sft_loss", "rm_loss", "rm_accuracy", "rm_margin", "dpo_loss", "rewards/chosen",
+                    "rewards/rejected", "rewards/accuracies", "rewards/margins"})
 
 
 def reduce_metrics(per_micro_batch: Sequence[Mapping[str, float]]) -> dict[str, float]:

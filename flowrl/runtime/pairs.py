@@ -1,0 +1,94 @@
+"""Preference pairs and demonstrations as token batches (flowrl.runtime): what a `reward_model`'s or a policy's
+preference update, and a forward over pairs, run on.
+
+A data batch of preference rows (`prompt`, `chosen`, `rejected`) becomes 2B rows, the chosen response of pair i
+at row 2i and its rejected one at row 2i + 1, both under pair i's prompt (`group_id` = i, so the share-prefix
+pass computes the prompt once for the two); `pair_side` is 0 on chosen rows, 1 on rejected ones. Demonstrations
+(`prompt`, `response`) become B rows. Responses end with EOS (the model learns to stop, as TRL's trainers do);
+a prompt given as chat messages is rendered first (flowrl.data.chat). When prompt + response pass the model's
+`context`, the prompt keeps its end and the response its start (TRL's `keep_start` for the completion).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from flowrl.data.chat import render_chat
+from flowrl.data.tables import is_chat
+from flowrl.models.tokenizer import Tokenizer
+from flowrl.runtime.batch import Batch
+
+__all__ = ["demo_batch", "pair_batch", "prompt_text"]
+
+
+def prompt_text(prompt: Any, tokenizer: Tokenizer) -> str:
+    """A row's prompt as text: chat messages rendered with the model's template, text as it is."""
+    return render_chat(prompt, tokenizer) if is_chat(prompt) else str(prompt)
+
+
+def _encode(tokenizer: Tokenizer, prompt: str, response: str, context: int) -> tuple[list[int], list[int]]:
+    p = tokenizer.encode(prompt)
+    if tokenizer.bos_id is not None:
+        p = [tokenizer.bos_id, *p]
+    r = [*tokenizer.encode(response), tokenizer.eos_id]
+    if len(p) + len(r) > context:  # keep the prompt's end and the response's start, at least one token of each
+        keep_p = max(1, min(len(p), context // 2))
+        p = p[-keep_p:]
+        r = r[: max(1, context - len(p))]
+    return p, r
+
+
+def _tensors(pairs: Sequence[tuple[list[int], list[int]]], pad: int) -> dict[str, torch.Tensor]:
+    width = max(len(p) for p, _ in pairs)
+    length = max(len(r) for _, r in pairs)
+    rows = len(pairs)
+    prompt_ids = torch.full((rows, width), pad, dtype=torch.long)
+    prompt_mask = torch.zeros((rows, width), dtype=torch.long)
+    response_ids = torch.full((rows, length), pad, dtype=torch.long)
+    response_mask = torch.zeros((rows, length), dtype=torch.long)
+    for i, (p, r) in enumerate(pairs):
+        prompt_ids[i, width - len(p):] = torch.tensor(p)  # left-padded prompts
+        prompt_mask[i, width - len(p):] = 1
+        response_ids[i, : len(r)] = torch.tensor(r)  # right-padded responses
+        response_mask[i, : len(r)] = 1
+    return {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "response_ids": response_ids,
+            "response_mask": response_mask}
+
+
+def _rows(batch: Batch) -> list[Mapping[str, Any]]:
+    rows: list[Mapping[str, Any]] = batch.meta.get("row") or [{"prompt": p} for p in batch.meta["prompt"]]
+    return rows
+
+
+def pair_batch(batch: Batch, tokenizer: Tokenizer, context: int,
+               render: Callable[[Any, Tokenizer], str] = prompt_text) -> Batch:
+    """2B rows from B preference rows: chosen at 2i, rejected at 2i + 1 (see the module docstring)."""
+    encoded: list[tuple[list[int], list[int]]] = []
+    meta: dict[str, list[Any]] = {k: [] for k in batch.meta}
+    meta["response"] = []
+    for i, row in enumerate(_rows(batch)):
+        prompt = render(row["prompt"], tokenizer)
+        for side in ("chosen", "rejected"):
+            encoded.append(_encode(tokenizer, prompt, str(row[side]), context))
+            meta["response"].append(str(row[side]))
+            for k, v in batch.meta.items():
+                meta[k].append(v[i])
+    tensors = _tensors(encoded, tokenizer.pad_id)
+    size = len(encoded)
+    tensors["group_id"] = torch.arange(size) // 2
+    tensors["pair_side"] = torch.arange(size) % 2
+    return Batch(size, tensors, meta, primary="response_ids")
+
+
+def demo_batch(batch: Batch, tokenizer: Tokenizer, context: int,
+               render: Callable[[Any, Tokenizer], str] = prompt_text) -> Batch:
+    """B rows from B demonstration rows (`prompt`, `response`)."""
+    rows = _rows(batch)
+    encoded = [_encode(tokenizer, render(row["prompt"], tokenizer), str(row["response"]), context) for row in rows]
+    tensors = _tensors(encoded, tokenizer.pad_id)
+    tensors["group_id"] = torch.arange(len(rows))
+    meta = {**batch.meta, "response": [str(row["response"]) for row in rows]}
+    return Batch(len(rows), tensors, meta, primary="response_ids")

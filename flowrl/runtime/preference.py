@@ -1,0 +1,91 @@
+"""Supervised and preference losses over a model (flowrl.runtime): the micro-batch loss functions a worker's
+update hands to `TrainEngine.step` for `loss = "sft"`, `"bradley_terry"` and `"dpo"` (and its kinds).
+
+Each runs the model's forward with gradients on a micro-batch built by flowrl.runtime.pairs (pairs: chosen at
+row 2i, rejected at 2i + 1; a micro-batch holds whole pairs) and calls the pure loss in
+flowrl.algos.preference. Losses are scaled by the micro-batch's share of the mini-batch (`num_tokens` for SFT,
+`num_pairs` for the pair losses), so the micro-batch losses sum to the mini-batch's loss and the gradient does
+not depend on the split (tested). Metrics are shares too where they are means (rewards/accuracies, ...).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from flowrl.algos.preference import bradley_terry_loss, dpo_loss, sequence_logp
+from flowrl.engines.forward import forward_logprobs, forward_values
+from flowrl.runtime.batch import Batch
+
+__all__ = ["dpo_micro_loss", "pair_scores", "reward_micro_loss", "sft_micro_loss"]
+
+_INPUTS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask")
+
+
+def _inputs(mb: Batch, device: torch.device) -> tuple[Tensor, ...]:
+    return tuple(mb[k].to(device) for k in _INPUTS)
+
+
+def _device(module: nn.Module) -> torch.device:
+    return next(module.parameters()).device
+
+
+def _sides(x: Tensor) -> tuple[Tensor, Tensor]:
+    """Chosen and rejected halves of a (2b, ...) pair tensor."""
+    if x.shape[0] % 2:
+        raise ValueError(f"a pair batch has an even number of rows (chosen, rejected), got {x.shape[0]}")
+    return x[0::2], x[1::2]
+
+
+def _shares(metrics: dict[str, float], share: float) -> dict[str, float]:
+    return {k: v * share for k, v in metrics.items()}
+
+
+def sft_micro_loss(module: nn.Module, mb: Batch, *, num_tokens: float) -> tuple[Tensor, dict[str, float]]:
+    """Mean next-token NLL of the demonstrations' responses, this micro-batch's share (its tokens / `num_tokens`)."""
+    inputs = _inputs(mb, _device(module))
+    logp = forward_logprobs(module, *inputs, temperature=1.0, with_grad=True)  # (b, T)
+    mask = inputs[3].float()
+    nll_sum = torch.where(mask > 0, -logp * mask, torch.zeros_like(logp)).sum()
+    loss = nll_sum / max(num_tokens, 1.0)
+    return loss, {"sft_loss": float(loss.detach())}
+
+
+def pair_scores(value_module: nn.Module, mb: Batch, *, with_grad: bool = False) -> Tensor:
+    """(2b,) a reward model's score of each row: its value head at the response's last token."""
+    inputs = _inputs(mb, _device(value_module))
+    values = forward_values(value_module, *inputs, with_grad=with_grad)  # (2b, T)
+    last = (inputs[3].sum(1) - 1).clamp(min=0).long()
+    return values.gather(1, last[:, None]).squeeze(1)
+
+
+def reward_micro_loss(value_module: nn.Module, mb: Batch, *, num_pairs: int,
+                      margin: float = 0.0) -> tuple[Tensor, dict[str, float]]:
+    """Bradley-Terry loss of this micro-batch's pairs, scaled by its share of the mini-batch's pairs."""
+    chosen, rejected = _sides(pair_scores(value_module, mb, with_grad=True))
+    loss, metrics = bradley_terry_loss(chosen, rejected, margin=margin)
+    share = chosen.shape[0] / max(num_pairs, 1)
+    return loss * share, _shares({"rm_loss": metrics["loss"], "rm_accuracy": metrics["accuracy"],
+                                  "rm_margin": metrics["margin"]}, share)
+
+
+def dpo_micro_loss(module: nn.Module, mb: Batch, *, num_pairs: int, ref_logp: Tensor | None, beta: float,
+                   kind: str = "sigmoid", label_smoothing: float = 0.0, gamma: float = 0.5,
+                   temperature: float = 1.0) -> tuple[Tensor, dict[str, Any]]:
+    """DPO (or IPO / SimPO) loss of this micro-batch's pairs: the policy's sequence log-probs with gradients,
+    the reference's (2b, T) token log-probs `ref_logp` (none for simpo), scaled by the micro-batch's share."""
+    inputs = _inputs(mb, _device(module))
+    logp = forward_logprobs(module, *inputs, temperature=temperature, with_grad=True)  # (2b, T)
+    mean = kind in ("ipo", "simpo")  # length-normalised, as TRL for these
+    seq = sequence_logp(logp, inputs[3], mean=mean)  # (2b,)
+    chosen, rejected = _sides(seq)
+    ref_c = ref_r = None
+    if ref_logp is not None and kind != "simpo":
+        ref_c, ref_r = _sides(sequence_logp(ref_logp.to(logp.device), inputs[3], mean=mean))
+    loss, metrics = dpo_loss(chosen, rejected, ref_c, ref_r, beta=beta, kind=kind,
+                             label_smoothing=label_smoothing, gamma=gamma)
+    share = chosen.shape[0] / max(num_pairs, 1)
+    metrics = {("dpo_loss" if k == "loss" else k): v for k, v in metrics.items()}
+    return loss * share, _shares(metrics, share)
