@@ -174,3 +174,13 @@ def test_a_group_with_equal_total_returns_is_centred_not_blown_up() -> None:
     # Row 0: G = [-0.3, -0.2, -0.1] -> [-0.5, 0, 0.5]; row 3: G = [0.1, 0.2, 0.3] -> [1.5, 2, 2.5].
     b = turn_advantages(rewards, index, mask, torch.tensor([0.0, 0.0, 0.0, 0.4]), 4, eps=0.0)
     close(b[[0, 3]][:, [0, 2, 4]], [[-0.5, 0.0, 0.5], [1.5, 2.0, 2.5]])
+
+
+def test_pads_read_as_turn_0_change_nothing() -> None:
+    """Batch.concat pads turn_index with 0 when it merges ranks' rollouts of different widths: a pad has
+    loss_mask 0 and no reward, so it still counts for nothing."""
+    zero_pads = torch.where(TURN_INDEX < 0, torch.zeros_like(TURN_INDEX), TURN_INDEX)
+    torch.testing.assert_close(turn_advantages(TURN_REWARDS, zero_pads, LOSS_MASK, SCORES, 4),
+                               turn_advantages(TURN_REWARDS, TURN_INDEX, LOSS_MASK, SCORES, 4))
+    torch.testing.assert_close(turn_rloo_advantages(TURN_REWARDS, zero_pads, LOSS_MASK, SCORES, 4),
+                               turn_rloo_advantages(TURN_REWARDS, TURN_INDEX, LOSS_MASK, SCORES, 4))
