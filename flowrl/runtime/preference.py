@@ -6,6 +6,8 @@ row 2i, rejected at 2i + 1; a micro-batch holds whole pairs) and calls the pure 
 flowrl.algos.preference. Losses are scaled by the micro-batch's share of the mini-batch (`num_tokens` for SFT,
 `num_pairs` for the pair losses), so the micro-batch losses sum to the mini-batch's loss and the gradient does
 not depend on the split (tested). Metrics are shares too where they are means (rewards/accuracies, ...).
+With `share` (the share-prefix pass's `min_len`; 0 is off), a pair's chosen and rejected rows run their common
+prompt once, in the forward and in the backward (flowrl.engines.prefix).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from torch import Tensor, nn
 
 from flowrl.algos.preference import bradley_terry_loss, dpo_loss, sequence_logp
 from flowrl.engines.forward import forward_logprobs, forward_values
+from flowrl.engines.prefix import packed_logprobs_entropy, packed_values
 from flowrl.runtime.batch import Batch
 
 __all__ = ["dpo_micro_loss", "pair_scores", "reward_micro_loss", "sft_micro_loss"]
@@ -46,38 +49,50 @@ def _shares(metrics: dict[str, float], share: float) -> dict[str, float]:
 def sft_micro_loss(module: nn.Module, mb: Batch, *, num_tokens: float) -> tuple[Tensor, dict[str, float]]:
     """Mean next-token NLL of the demonstrations' responses, this micro-batch's share (its tokens / `num_tokens`)."""
     inputs = _inputs(mb, _device(module))
-    logp = forward_logprobs(module, *inputs, temperature=1.0, with_grad=True)  # (b, T)
+    logp = _logprobs(module, inputs, 1.0, 0)  # (b, T)
     mask = inputs[3].float()
     nll_sum = torch.where(mask > 0, -logp * mask, torch.zeros_like(logp)).sum()
     loss = nll_sum / max(num_tokens, 1.0)
     return loss, {"sft_loss": float(loss.detach())}
 
 
-def pair_scores(value_module: nn.Module, mb: Batch, *, with_grad: bool = False) -> Tensor:
-    """(2b,) a reward model's score of each row: its value head at the response's last token."""
+def _logprobs(module: nn.Module, inputs: tuple[Tensor, ...], temperature: float, share: int) -> Tensor:
+    """(b, T) token log-probs with gradients; with `share` (the share-prefix pass's min_len, 0: off) the pair's
+    common prompt runs once (flowrl.engines.prefix: same numbers to float rounding)."""
+    packed = packed_logprobs_entropy(module, *inputs, temperature=temperature, min_len=share) if share else None
+    if packed is not None:
+        return packed[0]
+    return forward_logprobs(module, *inputs, temperature=temperature, with_grad=True)
+
+
+def pair_scores(value_module: nn.Module, mb: Batch, *, with_grad: bool = False, share: int = 0) -> Tensor:
+    """(2b,) a reward model's score of each row: its value head at the response's last token (with `share`,
+    each prompt computed once, in training)."""
     inputs = _inputs(mb, _device(value_module))
-    values = forward_values(value_module, *inputs, with_grad=with_grad)  # (2b, T)
+    values = packed_values(value_module, *inputs, min_len=share) if share and with_grad else None
+    if values is None:
+        values = forward_values(value_module, *inputs, with_grad=with_grad)  # (2b, T)
     last = (inputs[3].sum(1) - 1).clamp(min=0).long()
     return values.gather(1, last[:, None]).squeeze(1)
 
 
-def reward_micro_loss(value_module: nn.Module, mb: Batch, *, num_pairs: int,
-                      margin: float = 0.0) -> tuple[Tensor, dict[str, float]]:
+def reward_micro_loss(value_module: nn.Module, mb: Batch, *, num_pairs: int, margin: float = 0.0,
+                      share: int = 0) -> tuple[Tensor, dict[str, float]]:
     """Bradley-Terry loss of this micro-batch's pairs, scaled by its share of the mini-batch's pairs."""
-    chosen, rejected = _sides(pair_scores(value_module, mb, with_grad=True))
+    chosen, rejected = _sides(pair_scores(value_module, mb, with_grad=True, share=share))
     loss, metrics = bradley_terry_loss(chosen, rejected, margin=margin)
-    share = chosen.shape[0] / max(num_pairs, 1)
-    return loss * share, _shares({"rm_loss": metrics["loss"], "rm_accuracy": metrics["accuracy"],
-                                  "rm_margin": metrics["margin"]}, share)
+    part = chosen.shape[0] / max(num_pairs, 1)
+    return loss * part, _shares({"rm_loss": metrics["loss"], "rm_accuracy": metrics["accuracy"],
+                                  "rm_margin": metrics["margin"]}, part)
 
 
 def dpo_micro_loss(module: nn.Module, mb: Batch, *, num_pairs: int, ref_logp: Tensor | None, beta: float,
                    kind: str = "sigmoid", label_smoothing: float = 0.0, gamma: float = 0.5,
-                   temperature: float = 1.0) -> tuple[Tensor, dict[str, Any]]:
+                   temperature: float = 1.0, share: int = 0) -> tuple[Tensor, dict[str, Any]]:
     """DPO (or IPO / SimPO) loss of this micro-batch's pairs: the policy's sequence log-probs with gradients,
     the reference's (2b, T) token log-probs `ref_logp` (none for simpo), scaled by the micro-batch's share."""
     inputs = _inputs(mb, _device(module))
-    logp = forward_logprobs(module, *inputs, temperature=temperature, with_grad=True)  # (2b, T)
+    logp = _logprobs(module, inputs, temperature, share)  # (2b, T)
     mean = kind in ("ipo", "simpo")  # length-normalised, as TRL for these
     seq = sequence_logp(logp, inputs[3], mean=mean)  # (2b,)
     chosen, rejected = _sides(seq)
@@ -86,6 +101,6 @@ def dpo_micro_loss(module: nn.Module, mb: Batch, *, num_pairs: int, ref_logp: Te
         ref_c, ref_r = _sides(sequence_logp(ref_logp.to(logp.device), inputs[3], mean=mean))
     loss, metrics = dpo_loss(chosen, rejected, ref_c, ref_r, beta=beta, kind=kind,
                              label_smoothing=label_smoothing, gamma=gamma)
-    share = chosen.shape[0] / max(num_pairs, 1)
+    part = chosen.shape[0] / max(num_pairs, 1)
     metrics = {("dpo_loss" if k == "loss" else k): v for k, v in metrics.items()}
-    return loss * share, _shares(metrics, share)
+    return loss * part, _shares(metrics, part)

@@ -129,3 +129,25 @@ def test_a_reward_model_learns_the_hidden_rule_on_held_out_pairs() -> None:
         scores = pair_scores(rm.module, pair_batch(_rows_batch(held_out), rm.tokenizer, context=64))
     accuracy = float((scores[0::2] > scores[1::2]).float().mean())
     assert accuracy >= 0.9, accuracy
+
+
+def test_sharing_the_pair_prompt_gives_the_same_losses_and_gradients() -> None:
+    """share-prefix on pairs: the chosen and rejected rows of a pair run their (long) prompt once."""
+    policy, ref = _model("policy", seed=0), _model("reference", seed=1)
+    rows = [{"prompt": "1+2+3+4+5+6+7+8+9=" + str(i), "chosen": "45", "rejected": "44"} for i in range(3)]
+    pairs = pair_batch(_rows_batch(rows), policy.tokenizer, context=64)
+    inputs = [pairs[k] for k in ("prompt_ids", "prompt_mask", "response_ids", "response_mask")]
+    ref_logp = forward_logprobs(ref.module, *inputs)
+    results = []
+    for share in (0, 4):
+        policy.module.zero_grad()
+        loss, _ = dpo_micro_loss(policy.module, pairs, num_pairs=3, ref_logp=ref_logp, beta=0.1, share=share)
+        loss.backward()
+        results.append((float(loss.detach()), _grads(policy.module)))
+    assert results[0][0] == pytest.approx(results[1][0], rel=1e-5)
+    for a, b in zip(results[0][1], results[1][1], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    rm = _model("reward_model")
+    plain, _ = reward_micro_loss(rm.module, pairs, num_pairs=3)
+    shared, _ = reward_micro_loss(rm.module, pairs, num_pairs=3, share=4)
+    assert float(shared.detach()) == pytest.approx(float(plain.detach()), rel=1e-5)
