@@ -1,0 +1,67 @@
+"""The calculator of examples/calc_tool.flow: the tool (`calc`), its reward (`final_answer`) and the grading they
+share; examples/calc_notool.flow scores the same model without the tool with the same reward.
+
+The task: a prompt `13*7=` (a 2-digit and a 1-digit number, either order, whose product has 2 digits: 212
+prompts). A 2-layer character model trained from scratch does not learn these products in a few minutes: it has
+to memorise 212 answers from a reward alone. With the tool it only has to call it and copy what comes back. A
+trajectory that learned reads
+
+    13*7=   ()    91;          91
+    prompt  call  observation  final answer (the text after the last observation)
+
+The call is `(` ... `)` (the flow's `call` and `end` markers); the tool answers with the product and a `;` that
+closes the observation, so the reward can find where the final answer starts. The tool reads the question from the
+row (its `question` column), not from the call's arguments: what is learnt is *when* to call and to copy the
+answer, not to copy the question into the call (copying five more characters exactly, with a reward that only sees
+the final answer, does not learn in the examples' five-minute budget), so the call's arguments are accepted and
+ignored.
+"""
+
+from __future__ import annotations
+
+import re
+
+__all__ = ["END_OBS", "calc", "evaluate", "final_answer", "grade"]
+
+END_OBS = ";"  # closes every observation: the final answer is the text after the last one
+# Bounded ASCII operands: no 10**10**10 from a policy, and no "٣" (a digit to \d and int()).
+_EXPR = re.compile(r"^\s*([0-9]{1,12})\s*([*+-])\s*([0-9]{1,12})\s*$")
+
+
+def evaluate(expr: str) -> int | None:
+    """`a*b`, `a+b` or `a-b` on non-negative integers, or None for anything else (no eval of policy text)."""
+    m = _EXPR.match(expr)
+    if m is None:
+        return None
+    a, op, b = int(m.group(1)), m.group(2), int(m.group(3))
+    return a * b if op == "*" else a + b if op == "+" else a - b
+
+
+def calc(args: str, question: str = "", **_: object) -> str:
+    """The tool: the value of the row's `question` (`47*38`; `args`, the call's text, is ignored, see above)
+    followed by `END_OBS`; `?;` when the row holds no question it can compute."""
+    value = evaluate(question)
+    return f"{'?' if value is None else value}{END_OBS}"
+
+
+def grade(answer_text: str, answer: object) -> float:
+    """1.0 for the exact answer; else 0.8 x the fraction of the answer's digits in their right place (counted from
+    the left): 0.4 for one digit of two. The partial credit lets a randomly initialised policy find the copy one
+    digit at a time (an exact copy by chance is about 1 in 400); a mean reward of 0.8 still needs most answers
+    exact."""
+    target = str(answer).strip()
+    got = answer_text.strip()
+    if not target or not got:
+        return 0.0
+    if got == target:
+        return 1.0
+    same = sum(a == b for a, b in zip(got, target, strict=False))
+    return 0.8 * min(same, len(target) - 1) / len(target)
+
+
+def final_answer(prompt: str, response: str, answer: object = None, **_: object) -> float:
+    """The reward: `grade` of the text after the last observation (the whole response when the tool was not
+    called, as in examples/calc_notool.flow)."""
+    if answer is None:
+        return 0.0
+    return grade(response.rsplit(END_OBS, 1)[-1], answer)
