@@ -1,0 +1,153 @@
+"""Multi-turn rollouts with slow environments: the overlapped decode loop against the barrier loop (issue 26).
+
+The same `generate_turns` call (flowrl.engines.turns) on the same tiny policy, prompts and environments, with
+`overlap` on (a sample whose environment is pending leaves the decode batch and the others keep decoding) and off
+(the barrier loop: every live sample generates its turn, then every environment call is awaited, then the next
+turn). The environments are examples/envs/latency.py in the production pool (flowrl.envs.pool.EnvPool, warm
+processes): each step waits a lognormal time (p99/p50 = exp(2.326 sigma), 6.4 at sigma 0.8) drawn from the
+trajectory's own seeded stream, so both loops wait exactly the same times. The median is set from the measured
+decode time of one turn (the barrier loop's busy time against environments that answer at once, over its turns),
+so a step costs about a turn.
+
+Reported per run: trajectories per second, the generation loop's idle fraction (seconds with nothing to decode
+while environments were pending / wall seconds), prefill tokens per trajectory against prompt + observations
+(what a token-in/token-out loop must prefill) and against what a loop that re-prefills the history every turn would
+(quadratic in turns), and that both loops produced the same tokens. Issue 26's targets: >= 2x trajectories/s with
+the overlap, idle <= 10%.
+
+    python bench/multiturn.py --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from flowrl.engines.turns import TurnOutput, generate_turns
+from flowrl.envs.pool import EnvPool
+from flowrl.envs.protocol import EnvSpec
+from flowrl.models.build import ModelSpec, build_model
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+CHARSET = "0123456789+=;"
+OBS = "12+34=;"  # each step's observation: 7 tokens prefilled onto the kept cache
+
+
+def build(dim: int) -> Any:
+    spec = ModelSpec("tiny:gpt2", {"layers": 2, "dim": dim, "heads": 4, "charset": CHARSET, "context": 512})
+    return build_model(spec, seed=0)
+
+
+def rollout(model: Any, args: argparse.Namespace, *, median: float, overlap: bool) -> TurnOutput:
+    """One `generate_turns` call over `args.batch` trajectories (one per prompt; row `id` keys the latencies)."""
+    options = {"median": median, "sigma": args.sigma, "seed": args.seed, "obs": OBS, "turns": args.turns}
+    spec = EnvSpec(name="lat", target="envs.latency.Latency", max_turns=args.turns, workers=args.workers,
+                   timeout=60.0, on_error="raise", folder=str(EXAMPLES), overlap=overlap, options=options)
+    tok = model.tokenizer
+    prompts = [tok.encode(f"{i % 90 + 10}+{(7 * i) % 90 + 10}=") for i in range(args.batch)]
+    rows = [{"id": i} for i in range(args.batch)]
+    pool = EnvPool(spec)
+    try:
+        warm = [pool.reset(("warm", i), {"id": -1}) for i in range(args.workers)]  # start the processes first
+        for f in warm:
+            f.result()
+        for i in range(args.workers):
+            pool.release(("warm", i))
+        return generate_turns(model.module, tok, prompts, rows, pool, n=1, max_tokens=args.tokens,
+                              min_tokens=args.tokens, max_turns=args.turns, temperature=1.0, seed=args.seed,
+                              overlap=overlap)
+    finally:
+        pool.close()
+
+
+def prefill_counts(out: TurnOutput) -> tuple[float, float, float]:
+    """Per trajectory, means: prefilled tokens, prompt + observation tokens, and what re-prefilling the whole
+    history before every turn would cost (prompt + everything before turn k's first action token, summed on k)."""
+    prompt_len = out.prompt_mask.sum(dim=1)  # (N,)
+    obs = (out.response_mask.bool() & ~out.loss_mask.bool()).sum(dim=1)  # (N,)
+    naive = []
+    for i in range(out.response_ids.shape[0]):
+        acted = out.loss_mask[i].bool()  # (T,)
+        starts = [int(torch.nonzero(acted & (out.turn_index[i] == k))[0]) for k in range(int(out.turns[i]))]
+        naive.append(sum(int(prompt_len[i]) + s for s in starts))
+    return (float(out.prefill_tokens.float().mean()), float((prompt_len + obs).float().mean()),
+            statistics.fmean(naive))
+
+
+def measure(model: Any, args: argparse.Namespace, median: float, overlap: bool) -> tuple[dict[str, Any], Any]:
+    out = rollout(model, args, median=median, overlap=overlap)
+    steps = sorted(s for per in out.step_seconds for s in per[1:])  # the steps, not the resets
+    prefilled, linear, naive = prefill_counts(out)
+    row = {"loop": "overlap" if overlap else "barrier", "traj_per_s": round(len(out.ended) / out.wall_s, 2),
+           "wall_s": round(out.wall_s, 3), "idle_frac": round(out.idle_s / out.wall_s, 3),
+           "turns_mean": round(float(out.turns.float().mean()), 2),
+           "env_step_p50_s": round(steps[len(steps) // 2], 4), "env_step_p99_s": round(steps[int(len(steps) * 0.99)], 4),
+           "prefill_per_traj": round(prefilled, 1), "prompt_plus_obs": round(linear, 1),
+           "reprefill_per_traj": round(naive, 1), "ended": sorted(set(out.ended))}
+    return row, out.response_ids
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--batch", type=int, default=64, help="trajectories a rollout (one per prompt)")
+    p.add_argument("--turns", type=int, default=6, help="environment steps a trajectory (it ends after them)")
+    p.add_argument("--tokens", type=int, default=8, help="tokens a turn (EOS banned until then)")
+    p.add_argument("--sigma", type=float, default=0.8, help="the latency's log-space sigma")
+    p.add_argument("--median", type=float, default=0.0, help="median env seconds (0: one turn's decode time)")
+    p.add_argument("--workers", type=int, default=4, help="environment processes")
+    p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1, help="torch threads (the decode loop's)")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    model = build(args.dim)
+    median = args.median
+    if median <= 0:  # one turn's decode time: the same rollout against environments that answer at once
+        quick = [rollout(model, args, median=0.0, overlap=False) for _ in range(2)][-1]
+        median = (quick.wall_s - quick.idle_s) / args.turns  # decoding, not the pool's round trips
+        print(f"decode time of one turn ({args.batch} trajectories, {args.tokens} tokens): {median * 1000:.1f} ms"
+              f" (the barrier loop with environments that answer at once: {quick.wall_s:.2f} s wall,"
+              f" {quick.idle_s:.2f} s waiting on the pool)", flush=True)
+    print(f"latency: lognormal, median {median * 1000:.1f} ms, sigma {args.sigma}, p99/p50 "
+          f"{math.exp(2.3263 * args.sigma):.1f}; {args.batch} trajectories x {args.turns} turns x {args.tokens} tokens;"
+          f" {args.workers} env processes; {platform.machine()}, {os.cpu_count()} cores, torch "
+          f"{torch.__version__}, load {os.getloadavg()[0]:.2f}", flush=True)
+    rows = []
+    for r in range(args.rounds):
+        ids: dict[bool, Any] = {}
+        for overlap in ((True, False) if r % 2 == 0 else (False, True)):
+            row, ids[overlap] = measure(model, args, median, overlap)
+            rows.append({"round": r + 1, **row})
+            print(json.dumps(rows[-1]), flush=True)
+        same = ids[True].shape == ids[False].shape and bool(torch.equal(ids[True], ids[False]))
+        print(f"round {r + 1}: same tokens with and without the overlap: {same}", flush=True)
+    print()
+    print("| loop | trajectories/s | idle | prefill/traj | prompt+obs | re-prefill/traj | env step p50 / p99 |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for loop in ("overlap", "barrier"):
+        mine = [x for x in rows if x["loop"] == loop]
+        print(f"| {loop} | {statistics.median(x['traj_per_s'] for x in mine):.1f} "
+              f"({', '.join(str(x['traj_per_s']) for x in mine)}) "
+              f"| {statistics.median(x['idle_frac'] for x in mine):.1%} | {mine[0]['prefill_per_traj']} "
+              f"| {mine[0]['prompt_plus_obs']} | {mine[0]['reprefill_per_traj']} "
+              f"| {mine[0]['env_step_p50_s'] * 1000:.0f} / {mine[0]['env_step_p99_s'] * 1000:.0f} ms |")
+    by_round = {(x["round"], x["loop"]): x["traj_per_s"] for x in rows}
+    ratios = [by_round[r + 1, "overlap"] / by_round[r + 1, "barrier"] for r in range(args.rounds)]
+    print(f"\noverlap / barrier, trajectories/s, per round: {', '.join(f'{x:.2f}x' for x in ratios)}"
+          f" (median {statistics.median(ratios):.2f}x)")
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(EXAMPLES))  # the environments' module, as a flow's folder is on the path
+    main()
