@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import threading
 
 
 class Echo:
@@ -44,3 +45,14 @@ def add(args: str, **row: object) -> str:
     """`2+3` -> `5` (a tool); anything else raises."""
     left, _, right = args.partition("+")
     return str(int(left) + int(right))
+
+
+class Hang:
+    """Its step never returns: it waits on an event nobody sets (only the pool's timeout ends the call)."""
+
+    def reset(self, row: dict[str, object]) -> str:
+        return "="
+
+    def step(self, action: str) -> tuple[str, float, bool]:
+        threading.Event().wait()
+        return "", 0.0, True
