@@ -34,9 +34,12 @@ def row_length(kv: RowKV) -> int:
 
 
 def packed_rows(cache: Any, attn: Tensor, length: int) -> Packed:
-    """All rows of a decode cache with `length` slots in use, as `Packed` (copies)."""
+    """All rows of a decode cache with `length` slots in use, as `Packed`: views of its buffers where they hold
+    every row whole (read before the cache is dropped: `pack` copies them), else copies."""
     idx = torch.arange(attn.shape[0], device=attn.device)
-    return [kv_rows(layer, idx) for layer in cache.layers], attn[:, :length]
+    layers = [(layer.keys, layer.values) if getattr(layer, "prefix", None) is None and layer.keys is not None
+              else kv_rows(layer, idx) for layer in cache.layers]  # fmt: skip
+    return layers, attn[:, :length]
 
 
 def unpack(cache: Any, attn: Tensor, length: int, rows: Sequence[int]) -> list[RowKV]:
@@ -74,16 +77,23 @@ def pack(module: nn.Module, kvs: Sequence[RowKV], headroom: int,
         for row, length in enumerate(lens):
             own[row, width - length :] = 1
         masks.append(own)
+    rows0 = packed[1].shape[0] if packed is not None else 0
     for layer_i, layer in enumerate(cache.layers):
-        keys, values = [], []
+        # One (R, H, W, D) tensor filled in place: the buffer's update is then the only other copy.
+        first = packed[0][layer_i] if packed is not None else kvs[0][layer_i]
+        k0, v0 = first[0], first[1]
+        heads = k0.shape[-3]
+        keys = k0.new_zeros((rows0 + len(kvs), heads, width, k0.shape[-1]))
+        values = v0.new_zeros((rows0 + len(kvs), heads, width, v0.shape[-1]))
         if packed is not None:
             k, v = packed[0][layer_i]  # (R0, H, L0, D)
-            keys.append(_left(k, width, 2))
-            values.append(_left(v, width, 2))
-        if kvs:
-            keys.append(torch.stack([_left(kv[layer_i][0], width, 1) for kv in kvs]))
-            values.append(torch.stack([_left(kv[layer_i][1], width, 1) for kv in kvs]))
-        layer.update(torch.cat(keys), torch.cat(values))  # (R, H, W, D)
+            keys[:rows0, :, width - k.shape[2] :] = k
+            values[:rows0, :, width - v.shape[2] :] = v
+        for row, kv in enumerate(kvs):
+            k, v = kv[layer_i]  # (H, L, D)
+            keys[rows0 + row, :, width - k.shape[1] :] = k
+            values[rows0 + row, :, width - v.shape[1] :] = v
+        layer.update(keys, values)  # (R, H, W, D)
     return cache, torch.cat(masks), width
 
 

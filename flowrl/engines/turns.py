@@ -80,7 +80,6 @@ class _Traj:
     """One trajectory's state: its tokens so far and where it is (decoding, waiting on its env, ended)."""
 
     key: Hashable
-    stream: Tensor  # (2,) its sample's stream key
     cap: int  # most response tokens (max_total)
     prefill: int  # prompt tokens prefilled
     ids: list[int] = field(default_factory=list)
@@ -93,7 +92,6 @@ class _Traj:
     feed: list[int] = field(default_factory=list)  # tokens to prefill before the next draw
     turn: int = 0  # actions taken
     t: int = 0  # tokens of the current turn
-    turn_key: Tensor | None = None  # (2,)
     turn_start: int = 0
     turn_end: str = ""  # why the last turn ended: "eos" | "stop" | "max_tokens" | "length"
     future: Future[Outcome] | None = None
@@ -150,6 +148,9 @@ def generate_turns(module: nn.Module, tokenizer: Tokenizer, prompts: Sequence[Se
     lim = _Limits(max_tokens, max_turns, tuple(stop), tokenizer.eos_id, tokenizer.pad_id)
     slots = slots_of(prompt_slots, len(prompts))
     streams = row_keys(sampling_seed(seed, None), slots, n, dev)  # (N, 2)
+    # Every turn's key of every trajectory, at once (the mixer costs per call, not per row).
+    table = turn_keys(streams.repeat_interleave(max_turns, 0), torch.arange(max_turns, device=dev).repeat(len(streams)))
+    table = table.view(len(streams), max_turns, 2)  # (N, max_turns, 2)
     positions = _positions(module)
     trajs: list[_Traj] = []
     for i, prompt in enumerate(prompts):
@@ -158,7 +159,7 @@ def generate_turns(module: nn.Module, tokenizer: Tokenizer, prompts: Sequence[Se
         cap = min(caps) if caps else 1 << 30
         if cap < 1:
             raise ValueError(f"prompt {i} ({len(prompt)} tokens) leaves no room for a response")
-        trajs += [_Traj((slots[i], j), streams[i * n + j], cap, len(prompt)) for j in range(n)]
+        trajs += [_Traj((slots[i], j), cap, len(prompt)) for j in range(n)]
     sampler = Sampler(temperature, top_p, min_tokens, lim.eos)
 
     ids, mask = left_pad_prompts(prompts, lim.pad, dev)  # (B, P)
@@ -188,7 +189,7 @@ def generate_turns(module: nn.Module, tokenizer: Tokenizer, prompts: Sequence[Se
                 joining = [i for i in back if _settle(trajs[i], _future(trajs[i]).result(), lim, tokenizer, envs)]
             tokens = no_tokens
             if batch is not None:
-                batch, tokens, leaving = _sample(sampler, trajs, batch, lim, tokenizer)
+                batch, tokens, leaving = _sample(sampler, table, trajs, batch, lim, tokenizer)
                 for i in leaving:
                     tr = trajs[i]
                     tr.future = envs.step(tr.key, tokenizer.decode(tr.ids[tr.turn_start :]))
@@ -236,18 +237,18 @@ def _settle(tr: _Traj, out: Outcome, lim: _Limits, tokenizer: Tokenizer, envs: E
     tr.feed += obs
     tr.prefill += len(obs)
     tr.turn_start, tr.t = len(tr.ids), 0
-    tr.turn_key = turn_keys(tr.stream[None], tr.turn)[0]
     return True
 
 
-def _sample(sampler: Sampler, trajs: list[_Traj], batch: _Batch, lim: _Limits,
+def _sample(sampler: Sampler, table: Tensor, trajs: list[_Traj], batch: _Batch, lim: _Limits,
             tokenizer: Tokenizer) -> tuple[_Batch | None, Tensor, list[int]]:
     """Sample one token for every row; rows whose turn ended leave the batch, their caches kept (their token is
     fed later, before their observation). Returns the batch of the staying rows (None if none), their (R,)
     tokens, still to be fed, and the leaving trajectories."""
     members = batch.members
     steps = torch.tensor([trajs[i].t for i in members], dtype=torch.long, device=batch.logits.device)
-    keys = torch.stack([_turn_key(trajs[i]) for i in members])  # (R, 2)
+    turns = torch.tensor([trajs[i].turn for i in members], dtype=torch.long, device=table.device)
+    keys = table[torch.tensor(members, dtype=torch.long, device=table.device), turns]  # (R, 2)
     tok, lp = sampler(batch.logits, steps, keys)
     tokens, logps = tok.tolist(), lp.tolist()
     stay: list[int] = []
@@ -337,11 +338,6 @@ def _kv(tr: _Traj) -> RowKV:
 def _logits(tr: _Traj) -> Tensor:
     assert tr.logits is not None
     return tr.logits
-
-
-def _turn_key(tr: _Traj) -> Tensor:
-    assert tr.turn_key is not None
-    return tr.turn_key
 
 
 def _turn_end(tr: _Traj, token: int, lim: _Limits, tokenizer: Tokenizer) -> str:
