@@ -107,7 +107,9 @@ def env_generate(module: torch.nn.Module, tokenizer: Tokenizer, ids: Sequence[Se
     assert spec is not None
     a = GenerateAttrs.of(attrs)
     total = int(attrs.get("max_total") or 0)
-    rows = [{k: v[i] for k, v in prompts.meta.items()} for i in range(prompts.size)]
+    # the data rows (the controller's prompt batch carries each under meta "row"): an environment reads its columns
+    rows = ([dict(r) for r in prompts.meta["row"]] if "row" in prompts.meta
+            else [{k: v[i] for k, v in prompts.meta.items()} for i in range(prompts.size)])
     envs = _Watched(pool)
     out = generate_turns(module, tokenizer, ids, rows, envs, n=a.n, max_tokens=a.max_tokens,
                          max_turns=spec.max_turns, max_total=total or None, stop=spec.stop, min_tokens=a.min_tokens,
