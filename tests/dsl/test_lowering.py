@@ -63,7 +63,8 @@ def test_node_fields(compile_ok: Compile) -> None:
     assert rollout.text == "rollout = actor.generate(prompts, n = 2, temperature = 1)"
     assert (scores.op, dict(scores.attrs), scores.worker_group, scores.dispatch) == (
         "reward", {"fn": "flowrl.rewards.arith_exact"}, CONTROLLER, "controller")
-    assert (adv.op, dict(adv.attrs)) == ("fn", {"fn": "group_advantage", "group": 2, "norm_std": True, "eps": 1e-6})
+    assert (adv.op, dict(adv.attrs)) == ("fn", {"fn": "group_advantage", "group": 2, "norm_std": True, "eps": 1e-6,
+                                         "turns": "trajectory"})
     assert update.id == "actor.update" and update.method == "update"
     # node inputs in signature order, whatever the order of the call
     assert update.inputs == (("rollout", "rollout"), ("advantages", "adv"), ("ref_logp", "rollout"))
