@@ -4,6 +4,9 @@ The trace holds Chrome "X" events (microseconds) named by node id, with `cat` = 
 (named by thread_name metadata) and `args.step`; this draws the last few steps of it with matplotlib.
 Spans of one track that overlap in time (a pool's instances, all started at once) are drawn in lanes, one
 above the other, so no bar hides another and each label sits inside its own bar or is left out.
+A generate that ran environments (issue 26; RUN_DIR/metrics.jsonl has its step's `env/*`) is labelled with its
+mean turns, and a hatched strip along its bottom is the share of the call spent waiting on environments with
+nothing to decode (`env/idle_frac`: a share, not where in the call those waits fell).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from flowrl.errors import Diagnostic, FlowError
 from flowrl.viz.style import OP_COLORS, OTHER_OP_COLOR
 
 FORMATS = ("png", "svg", "pdf")
+ENV_WAIT_COLOR = "#2b8a3e"
 
 
 @dataclass(frozen=True)
@@ -28,6 +32,8 @@ class Bar:
     start: float  # seconds since the first drawn span
     dur: float
     lane: int = 0  # 0 for the track's first lane; overlapping spans of one track take the next free lane
+    turns: float | None = None  # a generate with environments: mean turns per trajectory in its step
+    env_wait: float = 0.0  # ... and the share of its call spent waiting on environments
 
 
 def load_spans(run_dir: str | Path) -> tuple[list[dict[str, Any]], dict[int, str]]:
@@ -52,6 +58,28 @@ def load_spans(run_dir: str | Path) -> tuple[list[dict[str, Any]], dict[int, str
         raise FlowError(Diagnostic(f"timeline: {path} has no spans",
                                    hint="run at least one step (`flowrl run FILE --steps 3`)"))
     return spans, names
+
+
+def env_steps(run_dir: str | Path) -> dict[int, tuple[float, float]]:
+    """step -> (env/turns_mean, env/idle_frac) from RUN_DIR/metrics.jsonl, for the steps that ran environments."""
+    path = Path(run_dir) / "metrics.jsonl"
+    out: dict[int, tuple[float, float]] = {}
+    if not path.is_file():
+        return out
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut short by a run still writing it
+        if isinstance(row, dict) and "env/turns_mean" in row and "step" in row:
+            out[int(row["step"])] = (float(row["env/turns_mean"]), float(row.get("env/idle_frac", 0.0)))
+    return out
+
+
+def with_envs(drawn: list[Bar], envs: dict[int, tuple[float, float]]) -> list[Bar]:
+    """Generate bars of steps that ran environments, with their turns and wait share."""
+    return [replace(b, turns=envs[b.step][0], env_wait=envs[b.step][1]) if b.op == "generate" and b.step in envs
+            else b for b in drawn]
 
 
 def bars(spans: list[dict[str, Any]], last_steps: int) -> list[Bar]:
@@ -88,7 +116,7 @@ def timeline(run_dir: str | Path, output: str | Path, last_steps: int = 3) -> Pa
     if last_steps < 1:
         raise FlowError(f"timeline: --steps must be at least 1, got {last_steps}")
     spans, names = load_spans(run_dir)
-    drawn = bars(spans, last_steps)
+    drawn = with_envs(bars(spans, last_steps), env_steps(run_dir))
     out.parent.mkdir(parents=True, exist_ok=True)
     fig = figure(drawn, names, Path(run_dir).name or str(run_dir))
     fig.savefig(out)
@@ -148,6 +176,9 @@ def figure(drawn: list[Bar], names: dict[int, str], title: str) -> Any:
         y, h = layout[b.row].lane(b.lane)
         ax.barh(y, max(b.dur, min_w), left=b.start, height=h, color=OP_COLORS.get(b.op, OTHER_OP_COLOR),
                 edgecolor="white", linewidth=0.5)
+        if b.env_wait > 0:
+            ax.barh(y - h * 0.35, b.dur * b.env_wait, left=b.start, height=h * 0.3, fill=False, hatch="////",
+                    edgecolor=ENV_WAIT_COLOR, linewidth=0)
     first: dict[int, float] = {}  # step -> where its first span starts
     for b in drawn:
         first.setdefault(b.step, b.start)
@@ -167,7 +198,10 @@ def figure(drawn: list[Bar], names: dict[int, str], title: str) -> Any:
     ax.grid(axis="x", alpha=0.25)
     ax.spines[["top", "right"]].set_visible(False)
     ops = sorted({b.op for b in drawn}, key=lambda op: (list(OP_COLORS).index(op) if op in OP_COLORS else 99, op))
-    ax.legend(handles=[Patch(color=OP_COLORS.get(op, OTHER_OP_COLOR), label=op) for op in ops],
+    handles = [Patch(color=OP_COLORS.get(op, OTHER_OP_COLOR), label=op) for op in ops]
+    if any(b.env_wait > 0 for b in drawn):
+        handles.append(Patch(fill=False, hatch="////", edgecolor=ENV_WAIT_COLOR, label="env wait (share)"))
+    ax.legend(handles=handles,
               loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=8, frameon=False, title="op",
               title_fontsize=8)
     fig.tight_layout()
@@ -184,7 +218,8 @@ def _label_bars(fig: Any, ax: Any, drawn: list[Bar], layout: dict[int, Track]) -
         y, h = layout[b.row].lane(b.lane)
         (x0, y0), (x1, y1) = ax.transData.transform([(b.start, y - h / 2), (b.start + b.dur, y + h / 2)])
         for size in (8, 6.5):  # a smaller font before giving up on a narrow bar
-            text = ax.text(b.start + b.dur / 2, y, b.node, ha="center", va="center", fontsize=size,
+            label = b.node if b.turns is None else f"{b.node} \u00b7 {b.turns:.1f} turns"
+            text = ax.text(b.start + b.dur / 2, y, label, ha="center", va="center", fontsize=size,
                            color="black" if _light(color) else "white")
             box = text.get_window_extent(renderer)
             if box.width + 4 <= x1 - x0 and box.height + 1 <= y1 - y0:

@@ -114,3 +114,19 @@ def test_labels_of_instances_started_together_do_not_overlap(tmp_path: Path) -> 
     assert all(any(p.x0 <= box.x0 and box.x1 <= p.x1 and p.y0 <= box.y0 and box.y1 <= p.y1 for p in bars_px)
                for box in boxes)
     assert [t.get_text() for t in ax.get_yticklabels()] == ["rollout", "rollout instances\n(up to 3 at once)"]
+
+
+def test_a_generate_with_environments_shows_its_turns_and_waits(graphs: Any, tmp_path: Path) -> None:
+    """Steps whose metrics have env/* (issue 26) label their generate with its turns and hatch its wait share;
+    other steps and other nodes are drawn as before."""
+    import json
+
+    from flowrl.viz.timeline import env_steps, with_envs
+
+    run = write_run(tmp_path / "run", graphs.grpo(), steps=2)
+    rows = [{"step": 1, "reward_mean": 0.1}, {"step": 2, "env/turns_mean": 2.5, "env/idle_frac": 0.25}]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    drawn = with_envs(bars(load_spans(run)[0], 2), env_steps(run))
+    envs = [(b.node, b.step, b.turns, b.env_wait) for b in drawn if b.turns is not None]
+    assert envs == [("rollout", 2, 2.5, 0.25)]
+    assert timeline(run, tmp_path / "t.png").exists()
