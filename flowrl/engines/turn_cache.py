@@ -59,42 +59,47 @@ def _compact(layers: list[tuple[Tensor, Tensor]], mask: Tensor) -> list[RowKV]:
 
 
 def pack(module: nn.Module, kvs: Sequence[RowKV], headroom: int,
-         packed: Packed | None = None) -> tuple[Any, Tensor, int]:
-    """A decode cache holding the `packed` rows (first, as they are) then the kept caches `kvs`, left-padded to
-    a common width W, with room for `headroom` more tokens per row; returns (cache, (R, W) mask, W)."""
-    if packed is not None and float(packed[1].float().mean()) < 0.5:
-        # Padding is most of the buffer (observations of uneven lengths joined): squeeze it out.
-        kvs, packed = _compact(*packed) + list(kvs), None
+         packed: Sequence[Packed] = ()) -> tuple[Any, Tensor, int]:
+    """A decode cache holding the `packed` groups' rows (first, in order, padding kept) then the kept caches
+    `kvs`, left-padded to a common width W, with room for `headroom` more tokens per row; returns (cache,
+    (R, W) mask, W)."""
+    groups = list(packed)
+    if groups:
+        lens = [row_length(kv) for kv in kvs]
+        real = max([int(g[1].sum(1).max()) for g in groups] + lens)  # the widest row without its padding
+        if real <= 0.75 * max([g[1].shape[1] for g in groups] + lens):
+            # Padding inside rows (observations of uneven lengths) makes the buffer a third wider: squeeze it out.
+            kvs = [row for g in groups for row in _compact(*g)] + list(kvs)
+            groups = []
     lens = [row_length(kv) for kv in kvs]
-    width = max(lens + ([packed[1].shape[1]] if packed is not None else []))
+    width = max(lens + [g[1].shape[1] for g in groups])
     cache, _ = make_cache(module, width + headroom)
-    dev = packed[1].device if packed is not None else kvs[0][0][0].device
-    masks = []
-    if packed is not None:
-        masks.append(_left(packed[1], width, 1))
+    dev = groups[0][1].device if groups else kvs[0][0][0].device
+    masks = [_left(g[1], width, 1) for g in groups]
     if kvs:
         own = torch.zeros((len(kvs), width), dtype=torch.long, device=dev)
         for row, length in enumerate(lens):
             own[row, width - length :] = 1
         masks.append(own)
-    rows0 = packed[1].shape[0] if packed is not None else 0
+    mask = torch.cat(masks)  # (R, W)
     for layer_i, layer in enumerate(cache.layers):
         # One (R, H, W, D) tensor filled in place: the buffer's update is then the only other copy.
-        first = packed[0][layer_i] if packed is not None else kvs[0][layer_i]
-        k0, v0 = first[0], first[1]
-        heads = k0.shape[-3]
-        keys = k0.new_zeros((rows0 + len(kvs), heads, width, k0.shape[-1]))
-        values = v0.new_zeros((rows0 + len(kvs), heads, width, v0.shape[-1]))
-        if packed is not None:
-            k, v = packed[0][layer_i]  # (R0, H, L0, D)
-            keys[:rows0, :, width - k.shape[2] :] = k
-            values[:rows0, :, width - v.shape[2] :] = v
-        for row, kv in enumerate(kvs):
+        k0, v0 = groups[0][0][layer_i] if groups else kvs[0][layer_i]
+        keys = k0.new_zeros((mask.shape[0], k0.shape[-3], width, k0.shape[-1]))
+        values = v0.new_zeros((mask.shape[0], v0.shape[-3], width, v0.shape[-1]))
+        row = 0
+        for g in groups:
+            k, v = g[0][layer_i]  # (Rg, H, Lg, D)
+            keys[row : row + k.shape[0], :, width - k.shape[2] :] = k
+            values[row : row + v.shape[0], :, width - v.shape[2] :] = v
+            row += k.shape[0]
+        for kv in kvs:
             k, v = kv[layer_i]  # (H, L, D)
-            keys[rows0 + row, :, width - k.shape[1] :] = k
-            values[rows0 + row, :, width - v.shape[1] :] = v
+            keys[row, :, width - k.shape[1] :] = k
+            values[row, :, width - v.shape[1] :] = v
+            row += 1
         layer.update(keys, values)  # (R, H, W, D)
-    return cache, torch.cat(masks), width
+    return cache, mask, width
 
 
 def _left(x: Tensor, width: int, dim: int) -> Tensor:

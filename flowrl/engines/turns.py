@@ -282,30 +282,26 @@ def _sample(sampler: Sampler, table: Tensor, trajs: list[_Traj], batch: _Batch, 
 
 def _advance(module: nn.Module, trajs: list[_Traj], batch: _Batch | None, tokens: Tensor, joining: list[int],
              lim: _Limits) -> _Batch | None:
-    """One forward: the batch's rows feed their sampled `tokens`; the `joining` trajectories, packed in after
-    them, feed their new tokens (the last action token and the observation) onto their kept caches in the
-    same forward. Returns the batch with every row's next-token scores."""
-    if not joining:
-        if batch is None:
-            return None
+    """Feed the batch's rows their sampled `tokens` (one decode step); prefill the `joining` trajectories' new
+    tokens (the last action token and the observation) onto their kept caches, in a forward of their own (the
+    batch's rows would otherwise each run as many padding tokens); then merge both into one batch. Returns the
+    batch with every row's next-token scores."""
+    if batch is not None:
         batch.length += 1
         out = module(input_ids=tokens[:, None], attention_mask=batch.attn[:, : batch.length],
                      position_ids=batch.pos[:, None], use_cache=True, **cache_kw(module, batch.cache))  # fmt: skip
         batch.logits = out.logits[:, -1].float()
         batch.pos = batch.pos + 1
+    if not joining:
         return batch
-    members = (batch.members if batch is not None else []) + joining
-    feeds = [[t] for t in tokens.tolist()] + [trajs[i].feed for i in joining]
-    grow = max(len(f) for f in feeds)  # 0 only when every row joins with an empty reset observation
-    packed = packed_rows(batch.cache, batch.attn, batch.length) if batch is not None else None
+    feeds = [trajs[i].feed for i in joining]
+    grow = max(len(f) for f in feeds)  # 0 when every row joins with an empty reset observation
     kvs = [_kv(trajs[i]) for i in joining]
-    # After this forward a row stays at most max_tokens steps before it leaves or the batch is packed again.
-    cache, mask, width = pack(module, kvs, grow + lim.max_tokens, packed)
+    # Joining alone, the rows keep max_tokens of room: at most that many steps before they leave or merge.
+    cache, mask, width = pack(module, kvs, grow + lim.max_tokens)
     dev = mask.device
-    start = torch.tensor([row_length(kv) for kv in kvs], dtype=torch.long, device=dev)
-    if batch is not None:
-        start = torch.cat([batch.pos, start])  # (R,) position of each row's first new token
-    ids = torch.full((len(feeds), grow), lim.pad, dtype=torch.long, device=dev)  # (R, grow) left-padded
+    start = torch.tensor([row_length(kv) for kv in kvs], dtype=torch.long, device=dev)  # (J,)
+    ids = torch.full((len(feeds), grow), lim.pad, dtype=torch.long, device=dev)  # (J, grow) left-padded
     new = torch.zeros((len(feeds), grow), dtype=torch.long, device=dev)
     for row, feed in enumerate(feeds):
         if feed:
@@ -314,20 +310,27 @@ def _advance(module: nn.Module, trajs: list[_Traj], batch: _Batch | None, tokens
     attn = torch.cat([mask, new, torch.ones((len(feeds), lim.max_tokens), dtype=torch.long, device=dev)], 1)
     if grow:
         # Pads take the last real position (never read); new tokens continue each row's own count.
-        positions = start[:, None] + new.cumsum(1) - 1  # (R, grow)
+        positions = start[:, None] + new.cumsum(1) - 1  # (J, grow)
         out = module(input_ids=ids, attention_mask=attn[:, : width + grow], position_ids=positions, use_cache=True,
                      logits_to_keep=1, **cache_kw(module, cache))  # fmt: skip
-        logits = out.logits[:, -1].float()  # (R, V)
-        offset = len(members) - len(joining)
+        logits = out.logits[:, -1].float()  # (J, V): left-padded, a row fed anything has it last
         for r, i in enumerate(joining):
-            if not trajs[i].feed:  # an empty reset observation: the prompt's prefill scored its next token
-                logits[offset + r] = _logits(trajs[i])
+            if not trajs[i].feed:  # an empty reset observation: the prompts' prefill scored its next token
+                logits[r] = _logits(trajs[i])
     else:
         logits = torch.stack([_logits(trajs[i]) for i in joining])
     for i in joining:
         trajs[i].kv = trajs[i].logits = None
         trajs[i].feed = []
-    return _Batch(members, cache, attn, width + grow, start + new.sum(1), logits)
+    joined = _Batch(joining, cache, attn, width + grow, start + new.sum(1), logits)
+    if batch is None:
+        return joined
+    groups = [packed_rows(b.cache, b.attn, b.length) for b in (batch, joined)]
+    cache, mask, width = pack(module, [], lim.max_tokens, groups)
+    rows = mask.shape[0]
+    attn = torch.cat([mask, torch.ones((rows, lim.max_tokens), dtype=torch.long, device=dev)], 1)
+    return _Batch(batch.members + joining, cache, attn, width, torch.cat([batch.pos, joined.pos]),
+                  torch.cat([batch.logits, joined.logits]))
 
 
 def _kv(tr: _Traj) -> RowKV:

@@ -138,9 +138,9 @@ def test_kept_caches_packed_fed_and_repacked_equal_a_plain_forward(family: str) 
 
     with torch.inference_mode():
         kvs = []
-        for ids in seqs:  # each row's own cache, as a trajectory out of the batch keeps it
+        for seq in seqs:  # each row's own cache, as a trajectory out of the batch keeps it
             own = DynamicCache(config=module.config)
-            module(input_ids=torch.tensor([ids]), use_cache=True, **cache_kw(module, own))
+            module(input_ids=torch.tensor([seq]), use_cache=True, **cache_kw(module, own))
             layers: list[Any] = list(own.layers)
             kvs.append([(layer.keys[0], layer.values[0]) for layer in layers])
         cache, mask, width = pack(module, kvs[:2], headroom=4)
@@ -151,8 +151,14 @@ def test_kept_caches_packed_fed_and_repacked_equal_a_plain_forward(family: str) 
         logits = run(cache, ids, attn, pos)
         for r in range(2):
             assert torch.allclose(logits[r], plain(seqs[r] + new[r]), atol=1e-5)
-        # The third row joins the two (their inner padding kept: it is under half the buffer).
-        cache, mask, width = pack(module, [kvs[2]], 1, packed_rows(cache, attn, width + 4))
+        # Alone, the two rows' inner padding is over a quarter of their width: it is squeezed out.
+        alone, alone_mask, alone_width = pack(module, [], 1, [packed_rows(cache, attn, width + 4)])
+        assert alone_width == 5 and alone_mask.sum(1).tolist() == [5, 5]
+        step = run(alone, torch.tensor([[7], [8]]), torch.ones(2, 6, dtype=torch.long), torch.tensor([[5], [5]]))
+        for r, tok in enumerate([7, 8]):
+            assert torch.allclose(step[r], plain(seqs[r] + new[r] + [tok]), atol=1e-5)
+        # The third row joins the two (their inner padding kept: squeezing it out would not narrow the buffer).
+        cache, mask, width = pack(module, [kvs[2]], 1, [packed_rows(cache, attn, width + 4)])
         assert width == 7 and mask.sum(1).tolist() == [5, 5, 6]
         step = run(cache, torch.tensor([[7], [8], [9]]), torch.cat([mask, torch.ones(3, 1, dtype=torch.long)], 1),
                    torch.tensor([[5], [5], [6]]))  # fmt: skip
