@@ -66,14 +66,21 @@ def _logprobs(module: nn.Module, inputs: tuple[Tensor, ...], temperature: float,
 
 
 def pair_scores(value_module: nn.Module, mb: Batch, *, with_grad: bool = False, share: int = 0) -> Tensor:
-    """(2b,) a reward model's score of each row: its value head at the response's last token (with `share`,
-    each prompt computed once, in training)."""
-    inputs = _inputs(mb, _device(value_module))
-    values = packed_values(value_module, *inputs, min_len=share) if share and with_grad else None
+    """(2b,) a reward model's score of each row: its value head on the hidden state of the response's last
+    token (EOS), so the score has read the whole response, as TRL's and OpenRLHF's reward models do. (A forward's
+    value t is read where response token t is predicted, flowrl.engines.forward; one pad slot appended after each
+    response makes that slot's value the last token's.) With `share`, each prompt is computed once, in training."""
+    prompt_ids, prompt_mask, response_ids, response_mask = _inputs(mb, _device(value_module))
+    lens = response_mask.sum(1).long()  # (2b,)
+    rows = torch.arange(len(lens), device=lens.device)
+    ids = torch.cat([response_ids, response_ids[:, :1]], dim=1)  # any id: the slot's own token is never read
+    mask = torch.cat([response_mask, torch.zeros_like(response_mask[:, :1])], dim=1)
+    mask[rows, lens] = 1
+    values = packed_values(value_module, prompt_ids, prompt_mask, ids, mask, min_len=share) \
+        if share and with_grad else None
     if values is None:
-        values = forward_values(value_module, *inputs, with_grad=with_grad)  # (2b, T)
-    last = (inputs[3].sum(1) - 1).clamp(min=0).long()
-    return values.gather(1, last[:, None]).squeeze(1)
+        values = forward_values(value_module, prompt_ids, prompt_mask, ids, mask, with_grad=with_grad)  # (2b, T+1)
+    return values[rows, lens]
 
 
 def reward_micro_loss(value_module: nn.Module, mb: Batch, *, num_pairs: int, margin: float = 0.0,
