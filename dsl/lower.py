@@ -134,6 +134,9 @@ class _Lowering:
         if envs_ast and all(r.target != ENV_ONLY_REWARD for r in rewards) and any(
                 n.op == "reward" and n.attrs.get("fn") == ENV_ONLY_REWARD for n in nodes):
             rewards.append(RewardDecl("reward", ENV_ONLY_REWARD, self.src.loc(envs_ast[0]), False, "python", frozen()))
+            for d in rewards_ast:  # declared, yet the scores are the environment's alone: say so
+                self.rep.warn(self.src, f"reward `{d.name.name}` is not used: the scores are the environment's alone",
+                              d.name, hint=f"to grade trajectories with it, pass it: `reward = {d.name.name}`")
         if not self.rep.diagnostics:  # checks across declarations and nodes, on a flow that is right so far
             check_flow(self.rep, Flow(self.src, models, self._model_blocks, data,
                                       {d.name.name: d for d in data_ast}, self._data_blocks, self._prompts,

@@ -304,3 +304,15 @@ def test_an_env_needs_the_torch_engine(compile_error: Error) -> None:
                 ^^^^^
         hint: multi-turn generation runs on the torch engine only, for now: drop `engine` from the model
     """) in rendered
+
+
+def test_a_declared_reward_left_out_of_an_env_flow_is_a_warning(compile_ok: Compile) -> None:
+    g = compile_ok(MODELS + ENV + 'reward correct = "flowrl.rewards.arith_exact"\n'
+                   "use grpo(max_tokens = 4, env = count)\n")
+    assert g.node("scores").attrs["fn"] == "zero"
+    assert [w.render() for w in g.warnings] == [expect("""
+        t.flow:5:8: warning: reward `correct` is not used: the scores are the environment's alone
+            reward correct = "flowrl.rewards.arith_exact"
+                   ^^^^^^^
+        hint: to grade trajectories with it, pass it: `reward = correct`
+    """)]
