@@ -74,11 +74,12 @@ def test_feedback_says_where_the_number_is_and_refuses_anything_but_one_digit() 
         assert feedback(hostile, 3) == "?", hostile
 
 
-def test_a_game_rewards_the_hit_and_charges_each_miss() -> None:
-    game = Guess(hit=1.0, miss=-0.1)
+def test_a_game_rewards_the_hit_and_charges_each_miss_and_more_for_nonsense() -> None:
+    game = Guess(hit=1.0, miss=-0.1, invalid=-0.5)
     assert game.reset({"prompt": "?", "number": 7}) == ""
     assert game.step("5") == (">", -0.1, False)
-    assert game.step("?") == ("?", -0.1, False)
+    assert game.step("?") == ("?", -0.5, False)
+    assert game.step("") == ("?", -0.5, False)  # the action of a turn cut by the end of sequence: quitting
     assert game.step("8") == ("<", -0.1, False)
     assert game.step("7") == ("=", 1.0, True)
     with pytest.raises(ValueError, match="0-9"):
@@ -118,4 +119,4 @@ def test_the_flow_runs_two_steps_on_the_local_backend(tmp_path: Path, name: str)
         assert 1.0 <= r["env/turns_mean"] <= (2.0 if name == "calc_tool" else 5.0)
         if name == "guess_number":  # every guess is answered, the last one maybe with `=` (done, not a call)
             assert r["env/tool_calls_mean"] >= r["env/turns_mean"] - 1
-            assert -0.5 <= r["env/return_mean"] <= 1.0
+            assert -2.5 <= r["env/return_mean"] <= 1.0
