@@ -7,8 +7,8 @@ when rows join a running batch, the batch's own rows, already packed) into one b
 (flowrl.engines.generation's `make_cache`) with a mask that is 0 on padding; `unpack` takes rows back out,
 dropping the padding by that mask. The new tokens that follow (observations) may leave padding inside a row
 too: attention reads the mask, positions continue each row's own count of real tokens, so a row's scores are
-those of a plain forward over its whole sequence (to float rounding). Once padding is most of the batch's
-buffer, `pack` squeezes it out.
+those of a plain forward over its whole sequence (to float rounding). When squeezing the padding out would
+narrow the buffer by a quarter, `pack` does (per row: the only per-row copies besides rows leaving).
 """
 
 from __future__ import annotations

@@ -185,7 +185,8 @@ def generate_turns(module: nn.Module, tokenizer: Tokenizer, prompts: Sequence[Se
             joining: list[int] = []
             if waiting and (overlap or batch is None):
                 back = [i for i in waiting if _future(trajs[i]).done()]
-                waiting = [i for i in waiting if i not in back]
+                returned = set(back)
+                waiting = [i for i in waiting if i not in returned]
                 joining = [i for i in back if _settle(trajs[i], _future(trajs[i]).result(), lim, tokenizer, envs)]
             tokens = no_tokens
             if batch is not None:
