@@ -270,36 +270,6 @@ def _generation_of(node: Node, by_id: Mapping[str, Node]) -> Node | None:
 # ---- environments (`env` / `tool` declarations, flowrl.envs) ------------------------------------------------
 
 
-def check_env_class(rep: Reporter, src: Source, info: EnvInfo) -> None:
-    """The env's class (or the tool's function) imports and has what it needs (`flowrl.envs.load`), reported on
-    the declaration's target string."""
-    from flowrl.envs import EnvSpec
-    from flowrl.envs.load import EnvLoadError, load_env_class
-
-    try:
-        load_env_class(EnvSpec(**info.spec))
-    except EnvLoadError as e:
-        rep.error(src, e.problem, info.decl.target, hint=e.diagnostics[0].hint)
-
-
-def env_class_keywords(name: str, target: str, folder: str, imports: Sequence[str]) -> set[str] | None:
-    """The keywords an env class's constructor takes (an env block's keys beyond its own are passed to it); None
-    when it takes any (`**options`) or cannot be loaded (`check_env_class` reports that)."""
-    import inspect
-
-    from flowrl.envs import EnvSpec
-    from flowrl.envs.load import EnvLoadError, load_env_class
-
-    try:
-        cls = load_env_class(EnvSpec(name=name, target=target, kind="env", folder=folder, imports=tuple(imports)))
-        params = inspect.signature(cls).parameters.values()
-    except (EnvLoadError, TypeError, ValueError):
-        return None
-    if any(p.kind is p.VAR_KEYWORD for p in params):
-        return None
-    return {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-
-
 def check_envs_used(rep: Reporter, flow: Flow, used: set[str]) -> None:
     for name, info in flow.envs.items():
         if name not in used:

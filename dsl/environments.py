@@ -1,5 +1,6 @@
-"""`env` and `tool` declarations during lowering (`dsl.lower`): their blocks -> `flowrl.envs.EnvSpec`'s fields,
-the names a step uses for them, and a generate node's `env` argument -> the spec it carries.
+"""`env` and `tool` declarations during lowering (`dsl.lower`): their blocks -> `flowrl.envs.EnvSpec`'s fields (the
+class or tool function loaded and checked with `flowrl.envs.load`), the names a step uses for them, and a generate
+node's `env` argument -> the spec it carries.
 
 A generate node that runs an environment carries the whole spec in its attrs (`attrs["env"]`, a plain dict of
 EnvSpec's fields, with the flow's folder and imports), so every backend's worker gets it with the node and
@@ -9,16 +10,22 @@ where the env is declared.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 from flowrl.ir.graph import Node, Value, frozen
+from flowrl.ir.signatures import ENV_KEYS, TOOL_KEYS
 
 from . import ast
 from .diagnostics import Reporter, Source, did_you_mean
 from .keys import Entry
-from .values import LiteralB
+from .values import LiteralB, to_value
+
+# How lowering reads a block (dsl.lower: its entries by key, checked, unknown keys reported) and fills it (each
+# key's checked value or its default).
+BlockOf = Callable[[Sequence[ast.Entry], Mapping[str, tuple[str, Value]], str], dict[str, Entry]]
+Filled = Callable[[dict[str, Entry], Mapping[str, tuple[str, Value]], str], dict[str, Value]]
 
 
 @dataclass(frozen=True)
@@ -118,3 +125,67 @@ def attach_envs(rep: Reporter, src: Source, nodes: Sequence[Node], envs: Mapping
                                             "env_at": str(src_of[str(name)])})))
     return out
 
+
+def lower_envs(rep: Reporter, src: Source, decls: Sequence[ast.EnvDecl], imports: Sequence[str], folder: str,
+               block_of: BlockOf, filled: Filled) -> dict[str, EnvInfo]:
+    """Each `env`/`tool` declaration's spec (keys checked against ENV_KEYS / TOOL_KEYS, their limits and
+    choices; an env's other keys are its class's options); the class or function is imported by the checks
+    (`check_env_class`), with the flow's folder."""
+    out: dict[str, EnvInfo] = {}
+    for d in decls:
+        if d.name.name in out:
+            continue
+        kind = d.kind.name
+        keys = TOOL_KEYS if kind == "tool" else ENV_KEYS
+        # an env's other keys go to its class's constructor (EnvSpec.options) when it takes them; any other
+        # unknown key is reported with its did-you-mean, as in every other block
+        takes = env_class_keywords(d.name.name, str(d.target.value), folder, imports) \
+            if kind == "env" and any(e.key.name not in keys for e in d.entries) else set()
+        own = [e for e in d.entries if e.key.name in keys]
+        before = len(rep.diagnostics)
+        cls = str(d.target.value).rsplit(".", 1)[-1]
+        for e in d.entries:
+            if e.key.name not in keys and takes is not None and e.key.name not in takes:
+                also = "" if kind == "tool" else \
+                    f"; {cls} takes {', '.join(sorted(takes))}" if takes else f"; {cls} takes no keyword"
+                rep.error(src, f"unknown {kind} key `{e.key.name}`", e.key,
+                               hint=did_you_mean(e.key.name, [*keys, *takes]) or f"{kind} keys: {', '.join(keys)}{also}")
+        options = {e.key.name: to_value(e.value) for e in d.entries
+                   if e.key.name not in keys and (takes is None or e.key.name in takes)}
+        block = block_of(own, keys, kind)
+        values = filled(block, keys, kind)
+        out[d.name.name] = env_spec(rep, src, d, block, values, folder=folder, imports=imports,
+                                    options=options)
+        if len(rep.diagnostics) == before:  # a block that is right so far: does its class fit it?
+            check_env_class(rep, src, out[d.name.name])
+    return out
+
+
+def check_env_class(rep: Reporter, src: Source, info: EnvInfo) -> None:
+    """The env's class (or the tool's function) imports and has what it needs (`flowrl.envs.load`), reported on
+    the declaration's target string."""
+    from flowrl.envs import EnvSpec
+    from flowrl.envs.load import EnvLoadError, load_env_class
+
+    try:
+        load_env_class(EnvSpec(**info.spec))
+    except EnvLoadError as e:
+        rep.error(src, e.problem, info.decl.target, hint=e.diagnostics[0].hint)
+
+
+def env_class_keywords(name: str, target: str, folder: str, imports: Sequence[str]) -> set[str] | None:
+    """The keywords an env class's constructor takes (an env block's keys beyond its own are passed to it); None
+    when it takes any (`**options`) or cannot be loaded (`check_env_class` reports that)."""
+    import inspect
+
+    from flowrl.envs import EnvSpec
+    from flowrl.envs.load import EnvLoadError, load_env_class
+
+    try:
+        cls = load_env_class(EnvSpec(name=name, target=target, kind="env", folder=folder, imports=tuple(imports)))
+        params = inspect.signature(cls).parameters.values()
+    except (EnvLoadError, TypeError, ValueError):
+        return None
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return None
+    return {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}

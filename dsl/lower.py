@@ -22,27 +22,17 @@ from flowrl.errors import DataError
 from flowrl.ir.graph import ROLES, DataDecl, Graph, ModelDecl, Range, Ref, RewardDecl, Value, frozen
 from flowrl.ir.signatures import (
     DATA_KEYS,
-    ENV_KEYS,
     HTTP_REWARD_KEYS,
     MODEL_KEYS,
     REWARD_KEYS,
     REWARD_KINDS,
     RUN_KEYS,
-    TOOL_KEYS,
 )
 
 from . import ast
-from .checks import (
-    Flow,
-    check_device,
-    check_env_class,
-    check_flow,
-    check_shape,
-    check_source,
-    env_class_keywords,
-)
+from .checks import Flow, check_device, check_flow, check_shape, check_source
 from .diagnostics import Reporter, Source, did_you_mean
-from .environments import EnvInfo, attach_envs, env_bindings, env_spec
+from .environments import EnvInfo, attach_envs, env_bindings, lower_envs
 from .keys import Entry as _Entry
 from .keys import check_value
 from .overrides import Overrides, parse_overrides
@@ -134,9 +124,10 @@ class _Lowering:
         if envs_ast and all(r.target != ENV_ONLY_REWARD for r in rewards) and any(
                 n.op == "reward" and n.attrs.get("fn") == ENV_ONLY_REWARD for n in nodes):
             rewards.append(RewardDecl("reward", ENV_ONLY_REWARD, self.src.loc(envs_ast[0]), False, "python", frozen()))
-            for d in rewards_ast:  # declared, yet the scores are the environment's alone: say so
-                self.rep.warn(self.src, f"reward `{d.name.name}` is not used: the scores are the environment's alone",
-                              d.name, hint=f"to grade trajectories with it, pass it: `reward = {d.name.name}`")
+            for unused in rewards_ast:  # declared, yet the scores are the environment's alone: say so
+                name = unused.name.name
+                self.rep.warn(self.src, f"reward `{name}` is not used: the scores are the environment's alone",
+                              unused.name, hint=f"to grade trajectories with it, pass it: `reward = {name}`")
         if not self.rep.diagnostics:  # checks across declarations and nodes, on a flow that is right so far
             check_flow(self.rep, Flow(self.src, models, self._model_blocks, data,
                                       {d.name.name: d for d in data_ast}, self._data_blocks, self._prompts,
@@ -213,37 +204,9 @@ class _Lowering:
         return RewardDecl(d.name.name, target, self.src.loc(d), batched, "python", frozen(options))
 
     def _envs(self, decls: Sequence[ast.EnvDecl], imports: Sequence[str]) -> dict[str, EnvInfo]:
-        """Each `env`/`tool` declaration's spec (keys checked against ENV_KEYS / TOOL_KEYS, their limits and
-        choices; an env's other keys are its class's options); the class or function is imported by the checks
-        (`check_env_class`), with the flow's folder."""
-        out: dict[str, EnvInfo] = {}
-        for d in decls:
-            if d.name.name in out:
-                continue
-            kind = d.kind.name
-            keys = TOOL_KEYS if kind == "tool" else ENV_KEYS
-            # an env's other keys go to its class's constructor (EnvSpec.options) when it takes them; any other
-            # unknown key is reported with its did-you-mean, as in every other block
-            takes = env_class_keywords(d.name.name, str(d.target.value), self.folder, imports) \
-                if kind == "env" and any(e.key.name not in keys for e in d.entries) else set()
-            own = [e for e in d.entries if e.key.name in keys]
-            before = len(self.rep.diagnostics)
-            cls = str(d.target.value).rsplit(".", 1)[-1]
-            for e in d.entries:
-                if e.key.name not in keys and takes is not None and e.key.name not in takes:
-                    also = "" if kind == "tool" else \
-                        f"; {cls} takes {', '.join(sorted(takes))}" if takes else f"; {cls} takes no keyword"
-                    self.rep.error(self.src, f"unknown {kind} key `{e.key.name}`", e.key,
-                                   hint=did_you_mean(e.key.name, [*keys, *takes]) or f"{kind} keys: {', '.join(keys)}{also}")
-            options = {e.key.name: to_value(e.value) for e in d.entries
-                       if e.key.name not in keys and (takes is None or e.key.name in takes)}
-            block = self._block(own, (), self._ovr, keys, kind)
-            values = self._filled(block, keys, kind)
-            out[d.name.name] = env_spec(self.rep, self.src, d, block, values, folder=self.folder, imports=imports,
-                                        options=options)
-            if len(self.rep.diagnostics) == before:  # a block that is right so far: does its class fit it?
-                check_env_class(self.rep, self.src, out[d.name.name])
-        return out
+        return lower_envs(self.rep, self.src, decls, imports, self.folder,
+                          lambda entries, keys, what: self._block(entries, (), self._ovr, keys, what),
+                          lambda block, keys, what: self._filled(block, keys, what))
 
     def _remote_reward(self, d: ast.RewardDecl, extra: Sequence[ast.Entry]) -> RewardDecl:
         """`reward NAME = http("url") { ... }`: a scoring service; every key gets its value or default."""
