@@ -15,6 +15,7 @@ device-seconds and their share against the fixed run of the same round, the medi
 target: at least 30% fewer device-seconds at most 1.05x the step time.
 
     python bench/serverless.py --rounds 3 --steps 40
+    python bench/serverless.py --rounds 3 --steps 40 --ablate late   # and a serverless run a round with `late` off
 
 `--curve`: the same workload with the generation pool elastic at 0..2 instances (the Ray backend's fixed pool
 at 2), serverless at cost_weight (lambda) 0, 0.5 and 1, and at 0.5 with each of the mechanisms switched off one
@@ -65,20 +66,22 @@ def upper_flow(out: Path, backend: str, upper: int) -> Path:
     return path
 
 
-def measure(backend: str, upper: int, steps: int, skip: int, out: Path) -> dict[str, Any]:
-    """One whole run -> its held device-seconds as the cluster counts them, step time and reward."""
+def measure(backend: str, upper: int, steps: int, skip: int, out: Path, ablate: tuple[str, ...] = ()
+            ) -> dict[str, Any]:
+    """One whole run -> its held device-seconds as the cluster counts them, step time and reward (`ablate`: the
+    serverless mechanisms switched off)."""
     from flowrl.backends.ray import RayBackend
     from flowrl.backends.serverless import ServerlessBackend
 
     graph = flowrl.load(str(upper_flow(out, backend, upper)), overrides={"run.checkpoint_every": "0"})
-    be: Any = RayBackend() if backend == "ray" else ServerlessBackend()
+    be: Any = RayBackend() if backend == "ray" else ServerlessBackend(ablate=ablate)
     res = flowrl.run(graph, out_dir=out, backend=be, steps=steps, overwrite=True)
     rows = res.metrics
     if backend == "ray":
         held, ranks = sum(r.held_s() for r in be.reserved), "+".join(str(r.ranks) for r in be.reserved)
     else:
         held, ranks = be.held_total_s, "+".join(f"0..{upper}" for _ in graph.worker_groups)
-    return {"backend": backend, "ranks": ranks, "steps": steps, "held_s": held, "held_step_s": held / steps,
+    return {"backend": backend + "".join(f" -{a}" for a in ablate), "ranks": ranks, "steps": steps, "held_s": held, "held_step_s": held / steps,
             "report_held_s": res.cost.get("held_s", 0.0),
             "step_s": statistics.median(r["step_time_s"] for r in rows[skip:]),
             "reward": statistics.mean(r["reward_mean"] for r in rows)}
@@ -201,6 +204,9 @@ def main() -> None:
     p.add_argument("--dedup", action="store_true", help="the deduplicated prefill's modes (see above)")
     p.add_argument("--preamble", type=int, default=15, help="--dedup: characters every prompt opens with")
     p.add_argument("--upper", type=int, default=1, help="the serverless pools' upper size (the fixed run's ranks)")
+    p.add_argument("--ablate", action="append", default=[], choices=["predict", "assign", "dedup", "migrate",
+                                                                     "scale", "prewarm", "late"],
+                   help="compare: one more serverless run a round with this mechanism off (repeatable)")
     args = p.parse_args()
     if args.curve:
         curve(args)
@@ -214,10 +220,13 @@ def main() -> None:
 def compare(args: argparse.Namespace) -> None:
     """Serverless against fixed pools at its upper sizes, alternated; the table for the README."""
     rows = []
+    sides: list[tuple[str, tuple[str, ...]]] = [("ray", ()), ("serverless", ())]
+    sides += [("serverless", (a,)) for a in args.ablate]
     for r in range(args.rounds):
-        for be in (("ray", "serverless") if r % 2 == 0 else ("serverless", "ray")):
+        for be, off in (sides if r % 2 == 0 else sides[::-1]):
+            name = be + "".join(f"_no_{a}" for a in off)
             row = {"round": r + 1, **measure(be, args.upper, args.steps, args.skip,
-                                             Path(args.out) / f"{be}_{args.upper}_{r + 1}")}
+                                             Path(args.out) / f"{name}_{args.upper}_{r + 1}", off)}
             rows.append(row)
             print(json.dumps(row), flush=True)
     print(f"\n`python bench/serverless.py --rounds {args.rounds} --steps {args.steps} --upper {args.upper}`"
@@ -229,7 +238,7 @@ def compare(args: argparse.Namespace) -> None:
         fixed = next(x for x in rows if x["round"] == row["round"] and x["backend"] == "ray")
         vs = (f"{row['held_s'] / fixed['held_s'] - 1:+.0%}, {row['step_s'] / fixed['step_s']:.2f}x"
               if row["backend"] != "ray" else "")
-        print(f"| {row['round']} | {'ray (fixed pools)' if row['backend'] == 'ray' else 'serverless'} | "
+        print(f"| {row['round']} | {'ray (fixed pools)' if row['backend'] == 'ray' else row['backend']} | "
               f"{row['ranks']} | {row['held_s']:.1f} | {row['held_step_s']:.3f} | {row['step_s']:.3f} s | {vs} | "
               f"{row['reward']:.3f} |")
     less = [1 - sl["held_s"] / f["held_s"] for sl, f in _pairs(rows)]
@@ -241,6 +250,7 @@ def compare(args: argparse.Namespace) -> None:
 
 
 def _pairs(rows: list[dict[str, Any]]) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """(serverless, fixed) of each round (the serverless run with every mechanism on)."""
     return [(next(x for x in rows if x["round"] == r and x["backend"] == "serverless"),
              next(x for x in rows if x["round"] == r and x["backend"] == "ray"))
             for r in sorted({x["round"] for x in rows})]

@@ -37,7 +37,7 @@ from flowrl.errors import Diagnostic, FlowError
 from flowrl.ir.graph import Graph, Range
 from flowrl.runtime.protocol import Usage, WorkerGroup
 
-ABLATE = ("predict", "assign", "dedup", "migrate", "scale", "prewarm")
+ABLATE = ("predict", "assign", "dedup", "migrate", "scale", "prewarm", "late")
 
 
 class ServerlessBackend:
@@ -48,7 +48,8 @@ class ServerlessBackend:
                  crash_on_call: Mapping[str, tuple[str, int, str]] | None = None, ablate: Iterable[str] = ()):
         """`crash_on_call` (tests only): group -> (method, n, marker file): that group's n-th `method` call loses
         its first instance mid-call (see instance.serve). `ablate`: mechanisms switched off, for the ablation
-        (`predict`, `assign`, `dedup` (deduplicated prefill), `migrate`, `scale`, `prewarm`)."""
+        (`predict`, `assign`, `dedup` (deduplicated prefill), `migrate`, `scale`, `prewarm`, `late` (a fused
+        stage's forward instances started with the first chunk, not after their learned slack))."""
         unknown = set(ablate) - set(ABLATE)
         if unknown:
             raise ValueError(f"ablate: unknown mechanisms {sorted(unknown)}; known: {', '.join(ABLATE)}")
@@ -93,6 +94,8 @@ class ServerlessBackend:
             policy = replace(policy, tau=1.0)
         if "prewarm" in self.ablate:
             policy = replace(policy, prewarm=False)
+        if "late" in self.ablate:
+            policy = replace(policy, late=0.0)
         slots = self.shared_slots = Slots(total)  # the cluster's slots now: waiting instances never hold what
         # their peers need
         acquire = None

@@ -43,6 +43,7 @@ from flowrl.runtime.worker import PromptEncoder
 # Without `placement`, a group's calls count in one elastic pool per stage kind.
 STAGE_KINDS = {"generate": "generation", "logprobs": "inference", "values": "inference", "score": "inference",
                "update": "training", "update_fused": "training"}
+SLACK_MEAN = 0.5  # the weight of the past in a streamed stage's learned slack (the rest: the last step's)
 VERSIONS = itertools.count(1)  # version numbers, unique across groups (0: the weights built from the seed)
 
 
@@ -114,6 +115,7 @@ class ServerlessGroup:
             slots.register(name, self.prewarm.yield_idle, self.prewarm.keep_floor)
         self.encoders: dict[str, PromptEncoder] = {}  # generating models' prompt tokenization (prefill planning)
         self.prefill = PrefillRates()  # the deduplicated prefill's measured rates (flowrl.elastic.prefill)
+        self.slack_s: float | None = None  # a streamed stage's: how long its forward instances could start late
 
     def start(self) -> None:
         """One instance builds the models once (the pool's first cold start) and tells how each tokenizes
@@ -230,9 +232,14 @@ class ServerlessGroup:
                   "role": self._role(c.rank, len(plan.calls), migration, sink),
                   **({"share": shares[c.rank]} if shares else {})}
             made.append(self._submit(warm, self._wanted(), migrate.METHOD, c.args, kw))
-        if away:  # the forward instances start with the first chunk (or once a generation instance returned)
+        late = self.policy.late * (self.slack_s or 0.0)
+        if away:  # the forward instances start with the first chunk (or once a generation instance returned),
+            # `late` seconds after it: a share of what they waited for chunks at the last steps, slot held
             ray.wait([self.mailbox.take_all.remote(box, 0), *[r[1] for r, _ in made]], num_returns=1)
+            if late > 0:
+                ray.wait([r[1] for r, _ in made], num_returns=1, timeout=late)
         jobs: list[tuple[ServerlessGroup, str, list[ray.ObjectRef], str]] = []
+        slack: float | None = None  # the least any forward instance waited for chunks this step
         for name, fs in away.items():
             g = consumers[name]
             assert isinstance(g, ServerlessGroup)
@@ -250,11 +257,16 @@ class ServerlessGroup:
         for g, op, refs, token in jobs:
             (theirs, spans, busy), st = ray.get([refs[0], refs[1]])
             u = g._usage(op, st)
-            u = replace(u, run_s=busy, wait_s=u.wait_s + max(0.0, u.run_s - busy))  # waiting for chunks: idle
+            waited = max(0.0, u.run_s - busy)
+            u = replace(u, run_s=busy, wait_s=u.wait_s + waited)  # waiting for chunks: idle
+            slack = min(slack, waited) if slack is not None else waited
             g.ledger.record([u], [token])
             _gather(outs, wall_spans, theirs, spans)
         if box:
             self.mailbox.close.remote(box)  # its chunks are no longer pinned in the object store
+        if slack is not None:  # the slack the forward instances had after the first chunk, a moving mean
+            seen = slack + late
+            self.slack_s = seen if self.slack_s is None else SLACK_MEAN * self.slack_s + (1 - SLACK_MEAN) * seen
         shift = time.time() - time.perf_counter()  # wall clock -> perf_counter
         gen_end = max(part.ended for part in parts)
         chunks, rollout = self._rollout(parts, args[1])
@@ -267,7 +279,7 @@ class ServerlessGroup:
             rollout, {n: in_order(assemble([o for o, _ in got_], [s for _, s in got_]), rows, order)
                       for n, got_ in outs.items()},
             {"fusion/chunks": float(sum(len(p.chunks) for p in parts)), "fusion/workers": float(len(plan.calls)),
-             "fusion/gen_s": gen_end - shift - started},
+             "fusion/gen_s": gen_end - shift - started, **({"fusion/late_s": late} if away else {})},
             gen_end - shift, {n: (a - shift, b - shift) for n, (a, b) in wall_spans.items()})
 
     def _collect(self, method: str, refs: Sequence[Sequence[ray.ObjectRef]], tokens: Sequence[str],

@@ -38,6 +38,9 @@ class Policy:
     assign: bool = True  # length-ranked assignment (off: prompts in their data order)
     scale: bool = True  # the cost-aware instance count (off: the pool's upper size)
     dedup: str = "auto"  # deduplicated prefill: auto | handover | local | off (backends/serverless/prefill.py)
+    # a fused stage's forward instances start this share of their learned slack after the first chunk (0: with
+    # it): what they would have spent waiting for chunks, slot held, while generation goes on (group.stream_stage)
+    late: float = 0.8
 
 
 def in_order(out: Batch, rows: list[int] | None, order: list[int] | None) -> Batch:

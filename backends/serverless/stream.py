@@ -5,8 +5,9 @@ the stage themselves. Each generation instance (backends/serverless/migrate.py's
 migrating as without fusion) runs `ModelWorker.generate_stream` — `generate`'s samples, same seeds — runs the
 forwards placed on its own group on each chunk between decode steps (the scheduler's "own-rank" schedule), and
 offers every chunk to the stage's box in the Mailbox actor. One instance of each other group holding forwards
-of the stage (`consume`), started when the first chunk is there, takes the chunks as they come and runs its
-forwards on them, so they overlap the rest of generation; it ends once every generation instance said it has
+of the stage (`consume`), started when the first chunk is there (or, once the stage has run, a share of its
+measured slack later: what it spent waiting for chunks with its slot held; `Policy.late`), takes the chunks as
+they come and runs its forwards on them, so they overlap the rest of generation; it ends once every generation instance said it has
 finished and every chunk it counted came. Every output is put back in sample order (`assemble`), as the
 unfused stage computes it.
 """
