@@ -219,6 +219,37 @@ def test_turns_respect_max_turns_stop_and_max_tokens() -> None:
     assert ended_by_stop > 0  # the stop text did end turns in this run
 
 
+class _Scripted(nn.Module):
+    """Wraps an LM: the token after position p is forced to `script[(p + 1) % len(script)]` (a fixed text)."""
+
+    def __init__(self, lm: nn.Module, script: list[int]) -> None:
+        super().__init__()
+        self.module = lm  # the name `cache_kw` looks through
+        self.config = lm.config
+        self.script = torch.tensor(script)
+
+    def forward(self, input_ids: Tensor, position_ids: Tensor, **kwargs: Any) -> Any:
+        out = self.module(input_ids=input_ids, position_ids=position_ids, **kwargs)
+        logits = out.logits  # (B, k, V): aligned with the last k inputs
+        nxt = self.script[(position_ids[:, -logits.shape[1] :] + 1) % len(self.script)]  # (B, k)
+        logits.scatter_add_(-1, nxt[..., None], torch.full_like(logits[..., :1], 100.0))
+        return out
+
+
+def test_a_stop_text_spanning_tokens_ends_the_turn() -> None:
+    """'é' is two byte tokens: the turn ends on the second, found in the turn's decoded text."""
+    lm = build_model(ModelSpec("tiny:gpt2", {"layers": 2, "dim": 32, "heads": 2}), seed=0)
+    tok = lm.tokenizer
+    module = _Scripted(lm.module, tok.encode("xé"))
+    envs = E.ThreadEnvs(E.CountEnv)
+    out = _run(module, tok, envs, texts=["go", "a"], rows=[{}, {"intro": "é"}], max_tokens=8, max_turns=3, stop=("é",))
+    assert out.ended == ["max_turns"] * 4
+    for r in range(4):
+        for k in range(3):
+            ids = _action(out, r, k)
+            assert tok.decode(ids).endswith("é") and tok.decode(ids).count("é") == 1 and len(ids) <= 4
+
+
 def test_eos_ends_the_trajectory_after_its_step() -> None:
     module, tok = _model()
     envs = E.ThreadEnvs(E.CountEnv)
