@@ -190,4 +190,5 @@ def merge(parts: Iterable[list[Batch]], prompts: Batch) -> Batch:
     gids = rollout["group_id"].tolist()
     meta = {key: [values[int(g)] for g in gids] for key, values in prompts.meta.items()}
     meta["response"] = rollout.meta["response"]
+    meta.update({k: v for k, v in rollout.meta.items() if k not in meta})  # a rollout's own (env_ended, ...)
     return Batch(rollout.size, rollout.tensors, meta, rollout.primary)

@@ -206,10 +206,13 @@ class ModelWorker:
         ids = self._prompt_ids(model, prompts, a.max_tokens)
         spec = env_spec_of(attrs)
         if spec is not None:  # multi-turn trajectories come back together: one chunk (pass fuse-gen-inference
-            # does not stream them; a backend that migrates a tail finds none)
-            return iter([env_generate(loaded.module, loaded.tokenizer, ids, prompts, attrs, self.envs.get(spec),
-                                      step_seed=step_seed, slots=prompt_slots(prompts, first_prompt),
-                                      device=str(self.device))])
+            # does not stream them; a backend that migrates a tail finds none), numbered as a stream numbers them
+            out = env_generate(loaded.module, loaded.tokenizer, ids, prompts, attrs, self.envs.get(spec),
+                               step_seed=step_seed, slots=prompt_slots(prompts, first_prompt), device=str(self.device))
+            sample = first_prompt * a.n + torch.arange(out.size)
+            out.tensors.update(sample=sample, group_id=sample // a.n,
+                               pad=torch.full((out.size,), loaded.tokenizer.pad_id))
+            return iter([out])
         stream = generate_stream(loaded.module, loaded.tokenizer, ids, n=a.n, sampling=sampling_of(a),
                                  seed=step_seed, prompt_slots=prompt_slots(prompts, first_prompt),
                                  chunk=chunk_of(a), share_prefix=a.share_prefix, first_sample=first_prompt * a.n,
