@@ -14,6 +14,7 @@ import pytest
 import flowrl
 from flowrl import run
 from flowrl.envs.load import load_env_class
+from flowrl.envs.pool import EnvPool
 from flowrl.envs.protocol import EnvSpec
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -104,6 +105,21 @@ def test_the_pool_loads_the_examples_environments() -> None:
     load_env_class(EnvSpec(name="calc", target="envs.calc.calc", kind="tool", stop=(")",), call="(", folder=folder))
     load_env_class(EnvSpec(name="game", target="envs.guess.Guess", folder=folder, options={"hit": 1.0, "miss": 0}))
     load_env_class(EnvSpec(name="lat", target="envs.latency.Latency", folder=folder, options={"median": 0.01}))
+
+
+def test_the_calculator_as_the_pool_runs_it_answers_a_call_and_ends_at_the_answer() -> None:
+    spec = EnvSpec(name="calc", target="envs.calc.calc", kind="tool", max_turns=2, stop=(")",), call="(",
+                   workers=0, timeout=5.0, folder=str(EXAMPLES))
+    pool = EnvPool(spec)
+    try:
+        row = {"prompt": "13*7=", "question": "13*7", "answer": 91}
+        assert pool.reset(0, row).result().observation == ""
+        called = pool.step(0, "()").result()
+        assert (called.observation, called.done, called.error) == ("91;", False, None)
+        answered = pool.step(0, "91").result()
+        assert answered.done and answered.error is None
+    finally:
+        pool.close()
 
 
 @pytest.mark.parametrize("name", FLOWS)
