@@ -51,3 +51,23 @@ def test_ray_ranks_sample_what_the_local_backend_samples(tmp_path: Path) -> None
     local = _rollouts(tmp_path / "local", "local", {})
     assert sum(map(len, local["ids"])) > 0
     assert _rollouts(tmp_path / "ray", "ray", {"actor.replicas": "2", "ref.replicas": "2"}) == local
+
+
+def test_a_serverless_run_with_an_env_gives_the_local_runs_numbers(tmp_path: Path) -> None:
+    """Generation on elastic instances (up to two): the trajectories, so the rollout's numbers, are the local ones."""
+    keys = ("gen_tokens", "response_len_mean", "reward_mean", "env/turns_mean", "env/tool_calls_mean",
+            "env/return_mean", "env/prefill_tokens_mean", "env/errors", "env/timeouts")
+    runs = {}
+    for backend, overrides in (("local", {}), ("serverless", {"actor.replicas": "1..2"})):
+        tmp = tmp_path / backend
+        tmp.mkdir()
+        (tmp / "data.jsonl").write_text("".join(json.dumps({"prompt": f"{a}+{b}", "answer": a + b}) + "\n"
+                                                for a in range(3) for b in range(2)))
+        (tmp / "envs_mod.py").write_text(ENVS.read_text())
+        (tmp / "game.flow").write_text(FLOW + "run { steps = 2, seed = 1 }\n")
+        res = flowrl.run(flowrl.load(str(tmp / "game.flow"), overrides=overrides), out_dir=tmp / "out",
+                         backend=backend)
+        runs[backend] = [{k: row[k] for k in keys} for row in res.metrics]
+    assert len(runs["serverless"]) == len(runs["local"]) == 2
+    for served, local in zip(runs["serverless"], runs["local"], strict=True):
+        assert served == pytest.approx(local, abs=1e-5)
