@@ -25,6 +25,7 @@ FEWSHOT, N_PAIRS, SEED = 10, 256, 0
 BATCH = 16  # pairs per optimizer step (32 rows)
 BETA, LR, MAX_GRAD_NORM = 0.1, 1e-5, 1.0
 STEPS, WARMUP = 8, 2
+THREADS = 1  # torch threads on both sides (CPU seconds per step then measure the work, whatever the load)
 
 
 def pair_rows() -> list[dict[str, str]]:

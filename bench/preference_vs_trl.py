@@ -7,14 +7,15 @@ Writes the inputs (bench/preference_shape.py), then alternates, each round: flow
 optimizer step on BATCH pairs: for DPO the policy's forward and backward over chosen and rejected and the frozen
 reference's forward; for the reward model its forward and backward over both. flowrl runs what a worker's update
 runs (flowrl.runtime.pairs, flowrl.runtime.preference, TrainEngine) with share-prefix on (each pair's prompt once)
-and off. Reported: the median step after WARMUP steps, the speed-up, and the first step's loss on each side.
+and off. Reported: the median step after WARMUP steps (wall and this process's CPU seconds: both sides run torch
+with THREADS threads, so on a machine others are using the CPU seconds are the fairer figure), the speed-up, and
+the first step's loss on each side.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -47,7 +48,7 @@ def flowrl_run(kind: str, steps: int, share: int) -> dict[str, Any]:
     from flowrl.runtime.pairs import pair_batch
     from flowrl.runtime.preference import dpo_micro_loss, reward_micro_loss
 
-    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    torch.set_num_threads(shape.THREADS)
     rows = shape.read_pairs()
     source = f"hf:{shape.CKPT}"
     if kind == "dpo":
@@ -64,10 +65,10 @@ def flowrl_run(kind: str, steps: int, share: int) -> dict[str, Any]:
             module.value_head.weight.copy_(head)
             module.value_head.bias.zero_()
     engine = TrainEngine(module, lr=shape.LR, max_grad_norm=shape.MAX_GRAD_NORM)
-    times, losses = [], []
+    times, cpu, losses = [], [], []
     for step in range(steps):
         picked = rows[step * shape.BATCH:(step + 1) * shape.BATCH]
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         pairs = pair_batch(_batch(picked), tok, context=256)
         if kind == "dpo":
             inputs = [pairs[k] for k in ("prompt_ids", "prompt_mask", "response_ids", "response_mask")]
@@ -84,7 +85,8 @@ def flowrl_run(kind: str, steps: int, share: int) -> dict[str, Any]:
                                                                                    share=share))
             losses.append(out["rm_loss"])
         times.append(time.perf_counter() - start)
-    return {"times": times, "losses": losses}
+        cpu.append(time.process_time() - start_cpu)
+    return {"times": times, "cpu": cpu, "losses": losses}
 
 
 def trl_run(kind: str, steps: int) -> dict[str, Any]:
@@ -116,13 +118,17 @@ def main() -> None:
             trl = trl_run(kind, args.steps)
             row = {"round": r + 1, "kind": kind, "flowrl_s": _median(ours["times"]),
                    "flowrl_noshare_s": _median(plain["times"]), "trl_s": _median(trl["times"]),
+                   "flowrl_cpu_s": _median(ours["cpu"]), "flowrl_noshare_cpu_s": _median(plain["cpu"]),
+                   "trl_cpu_s": _median(trl["cpu"]),
                    "flowrl_loss1": ours["losses"][0], "trl_loss1": trl["losses"][0]}
             row["speedup"] = row["trl_s"] / row["flowrl_s"]
+            row["speedup_cpu"] = row["trl_cpu_s"] / row["flowrl_cpu_s"]
             results.append(row)
-            print(f"round {r + 1} {kind:3s}: flowrl {row['flowrl_s'] * 1e3:7.1f} ms (no share-prefix "
-                  f"{row['flowrl_noshare_s'] * 1e3:7.1f}), TRL {row['trl_s'] * 1e3:7.1f} ms, "
-                  f"{row['speedup']:.2f}x; first-step loss {row['flowrl_loss1']:.6f} vs {row['trl_loss1']:.6f}",
-                  flush=True)
+            print(f"round {r + 1} {kind:3s}: wall flowrl {row['flowrl_s'] * 1e3:6.0f} ms (no share-prefix "
+                  f"{row['flowrl_noshare_s'] * 1e3:6.0f}), TRL {row['trl_s'] * 1e3:6.0f} ms, {row['speedup']:.2f}x"
+                  f" | CPU flowrl {row['flowrl_cpu_s'] * 1e3:6.0f} ms ({row['flowrl_noshare_cpu_s'] * 1e3:6.0f}), "
+                  f"TRL {row['trl_cpu_s'] * 1e3:6.0f} ms, {row['speedup_cpu']:.2f}x"
+                  f" | first-step loss {row['flowrl_loss1']:.6f} vs {row['trl_loss1']:.6f}", flush=True)
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
 

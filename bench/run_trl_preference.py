@@ -2,7 +2,7 @@
 
 `preference_vs_trl.py` starts it with `bench/.venv-trl/bin/python`. Same checkpoint, same pairs in the same order
 (a sequential sampler: the first step sees the first BATCH pairs, as flowrl's run does), BATCH pairs per optimizer
-step, constant LR, AdamW, fp32 on CPU, the same torch threads. A callback stamps each optimizer step's end; a
+step, constant LR, AdamW, fp32 on CPU (TRL's configs default to bf16: switched off), the same torch threads. A callback stamps each optimizer step's end; a
 step's time is the gap between consecutive stamps (forwards, loss, backward, optimizer step).
 Run alone: `bench/.venv-trl/bin/python bench/run_trl_preference.py dpo|rm [--steps N] [--json OUT.json]`.
 """
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import tempfile
 import time
 import warnings
@@ -32,14 +31,14 @@ from trl import DPOConfig, DPOTrainer, RewardConfig, RewardTrainer
 
 class StepClock(TrainerCallback):
     def __init__(self) -> None:
-        self.marks: list[float] = []
+        self.marks: list[tuple[float, float]] = []
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if not self.marks:
-            self.marks.append(time.perf_counter())
+            self.marks.append((time.perf_counter(), time.process_time()))
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self.marks.append(time.perf_counter())
+        self.marks.append((time.perf_counter(), time.process_time()))
 
 
 def _in_order(cls: type) -> type:
@@ -56,7 +55,7 @@ def common(out: str, steps: int) -> dict[str, Any]:
     return dict(output_dir=out, per_device_train_batch_size=shape.BATCH, learning_rate=shape.LR,
                 lr_scheduler_type="constant", max_steps=steps, max_grad_norm=shape.MAX_GRAD_NORM, logging_steps=1,
                 report_to=[], save_strategy="no", use_cpu=True, seed=shape.SEED, dataloader_num_workers=0,
-                disable_tqdm=True, max_length=256)
+                disable_tqdm=True, max_length=256, bf16=False, fp16=False)  # fp32: TRL defaults to bf16
 
 
 def main() -> None:
@@ -66,7 +65,7 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     warnings.filterwarnings("ignore")
-    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    torch.set_num_threads(shape.THREADS)
     data = Dataset.from_list(shape.read_pairs())
     tok = AutoTokenizer.from_pretrained(shape.CKPT)
     clock = StepClock()
@@ -83,8 +82,9 @@ def main() -> None:
                                                callbacks=[clock])
         trainer.train()
     losses = [float(h["loss"]) for h in trainer.state.log_history if "loss" in h]
-    times = [b - a for a, b in zip(clock.marks, clock.marks[1:], strict=False)]
-    result = {"times": times, "losses": losses}
+    times = [b[0] - a[0] for a, b in zip(clock.marks, clock.marks[1:], strict=False)]
+    cpu = [b[1] - a[1] for a, b in zip(clock.marks, clock.marks[1:], strict=False)]
+    result = {"times": times, "cpu": cpu, "losses": losses}
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(result, f)
