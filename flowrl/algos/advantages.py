@@ -11,10 +11,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["gae", "group_baseline", "grpo_advantages", "reinforce_pp_returns", "rloo_advantages", "whiten"]
+__all__ = ["gae", "group_baseline", "group_index", "group_sum", "grpo_advantages", "reinforce_pp_returns", "rloo_advantages", "whiten"]
 
 
-def _group_index(group: int | Tensor, batch: int, device: torch.device) -> tuple[Tensor, Tensor]:
+def group_index(group: int | Tensor, batch: int, device: torch.device) -> tuple[Tensor, Tensor]:
     """Map `group` to (dense group index per sample (B,), size of each group (G,))."""
     if isinstance(group, int):
         if group < 1 or batch % group != 0:
@@ -31,7 +31,7 @@ def _group_index(group: int | Tensor, batch: int, device: torch.device) -> tuple
     return inverse, counts
 
 
-def _group_sum(x: Tensor, inverse: Tensor, num_groups: int) -> Tensor:
+def group_sum(x: Tensor, inverse: Tensor, num_groups: int) -> Tensor:
     """Sum of `x` (B,) within each group -> (G,)."""
     return torch.zeros(num_groups, dtype=x.dtype, device=x.device).index_add_(0, inverse, x)
 
@@ -44,12 +44,12 @@ def group_baseline(scores: Tensor, group: int | Tensor) -> tuple[Tensor, Tensor]
     normalise with the same numbers.
     """
     scores = scores.detach()  # (B,)
-    inverse, counts = _group_index(group, scores.shape[0], scores.device)
+    inverse, counts = group_index(group, scores.shape[0], scores.device)
     n = counts.to(scores.dtype)  # (G,)
-    mean = _group_sum(scores, inverse, len(counts)) / n  # (G,)
+    mean = group_sum(scores, inverse, len(counts)) / n  # (G,)
     centred = scores - mean[inverse]  # (B,)
     # n - 1 is 0 for singleton groups; clamp only to keep the division finite, the value is replaced below.
-    var = _group_sum(centred * centred, inverse, len(counts)) / (n - 1).clamp(min=1)  # (G,)
+    var = group_sum(centred * centred, inverse, len(counts)) / (n - 1).clamp(min=1)  # (G,)
     single = (counts == 1)[inverse]  # (B,)
     std = torch.where(single, torch.ones_like(scores), var.sqrt()[inverse])  # (B,)
     return torch.where(single, torch.zeros_like(scores), mean[inverse]), std
@@ -84,9 +84,9 @@ def rloo_advantages(scores: Tensor, group: int | Tensor) -> Tensor:
     which also matches GRPO's singleton convention; we do the same.
     """
     scores = scores.detach()  # (B,)
-    inverse, counts = _group_index(group, scores.shape[0], scores.device)
+    inverse, counts = group_index(group, scores.shape[0], scores.device)
     n = counts.to(scores.dtype)[inverse]  # (B,) size of each sample's group
-    total = _group_sum(scores, inverse, len(counts))[inverse]  # (B,)
+    total = group_sum(scores, inverse, len(counts))[inverse]  # (B,)
     baseline = (total - scores) / (n - 1).clamp(min=1)  # (B,) clamp keeps singletons finite
     return torch.where(n > 1, scores - baseline, scores)
 

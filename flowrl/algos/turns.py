@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from flowrl.algos.advantages import _group_index, _group_sum, group_baseline
+from flowrl.algos.advantages import group_baseline, group_index, group_sum
 
 # Relative spread of a group's total returns below which they count as equal (float32 rounding of sums of
 # rewards is ~1e-7 relative): such a group is centred, not divided by its (near-zero) std.
@@ -128,9 +128,9 @@ def turn_rloo_advantages(
     scores = scores.detach().float()  # (B,)
     g = _per_turn(turn_rewards, turn_index, scores)  # (B, K)
     total = g[:, 0]  # (B,)
-    inverse, counts = _group_index(group, total.shape[0], total.device)
+    inverse, counts = group_index(group, total.shape[0], total.device)
     n = counts.to(total.dtype)[inverse]  # (B,)
-    others = (_group_sum(total, inverse, len(counts))[inverse] - total) / (n - 1).clamp(min=1)  # (B,)
+    others = (group_sum(total, inverse, len(counts))[inverse] - total) / (n - 1).clamp(min=1)  # (B,)
     baseline = torch.where(n > 1, others, torch.zeros_like(others))
     adv = g.gather(1, turn_index.long().clamp(min=0)) - baseline[:, None]  # (B, T)
     keep = (loss_mask > 0) & (turn_index >= 0)
