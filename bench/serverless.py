@@ -66,22 +66,23 @@ def upper_flow(out: Path, backend: str, upper: int) -> Path:
     return path
 
 
-def measure(backend: str, upper: int, steps: int, skip: int, out: Path, ablate: tuple[str, ...] = ()
-            ) -> dict[str, Any]:
+def measure(backend: str, upper: int, steps: int, skip: int, out: Path, ablate: tuple[str, ...] = (),
+            late: float | None = None) -> dict[str, Any]:
     """One whole run -> its held device-seconds as the cluster counts them, step time and reward (`ablate`: the
-    serverless mechanisms switched off)."""
+    serverless mechanisms switched off; `late`: the late start's share, when not the default)."""
     from flowrl.backends.ray import RayBackend
     from flowrl.backends.serverless import ServerlessBackend
 
     graph = flowrl.load(str(upper_flow(out, backend, upper)), overrides={"run.checkpoint_every": "0"})
-    be: Any = RayBackend() if backend == "ray" else ServerlessBackend(ablate=ablate)
+    be: Any = RayBackend() if backend == "ray" else ServerlessBackend(ablate=ablate, late=late)
     res = flowrl.run(graph, out_dir=out, backend=be, steps=steps, overwrite=True)
     rows = res.metrics
     if backend == "ray":
         held, ranks = sum(r.held_s() for r in be.reserved), "+".join(str(r.ranks) for r in be.reserved)
     else:
         held, ranks = be.held_total_s, "+".join(f"0..{upper}" for _ in graph.worker_groups)
-    return {"backend": backend + "".join(f" -{a}" for a in ablate), "ranks": ranks, "steps": steps, "held_s": held, "held_step_s": held / steps,
+    name = backend + "".join(f" -{a}" for a in ablate) + (f" late {late:g}" if late is not None else "")
+    return {"backend": name, "ranks": ranks, "steps": steps, "held_s": held, "held_step_s": held / steps,
             "report_held_s": res.cost.get("held_s", 0.0),
             "step_s": statistics.median(r["step_time_s"] for r in rows[skip:]),
             # steady state, start-up aside: device-seconds held per second of stepping over the measured steps
@@ -114,7 +115,7 @@ def curve(args: argparse.Namespace) -> None:
 
     out = Path(args.out) / "curve"
     fixed, elastic = flow_file(out, "gpus = 2"), flow_file(out, "gpus = 0..2, elastic = true")
-    rows = []
+    rows: list[dict[str, Any]] = []
     for r in range(args.rounds):
         for name, be, lam, off in (CURVE if r % 2 == 0 else CURVE[::-1]):
             graph = flowrl.load(str(fixed if be == "ray" else elastic),
@@ -164,7 +165,7 @@ def dedup(args: argparse.Namespace) -> None:
     if args.preamble != 15:
         data = preamble_data(out, args.preamble)
         elastic.write_text(elastic.read_text().replace(str(FLOW.parent / "data" / "longtail.jsonl"), str(data)))
-    rows = []
+    rows: list[dict[str, Any]] = []
     for r in range(args.rounds):
         for mode in (DEDUP if r % 2 == 0 else DEDUP[::-1]):
             graph = flowrl.load(str(elastic), overrides={"run.checkpoint_every": "0", "run.migrate_at": "1.0",
@@ -210,6 +211,8 @@ def main() -> None:
     p.add_argument("--ablate", action="append", default=[], choices=["predict", "assign", "dedup", "migrate",
                                                                      "scale", "prewarm", "late"],
                    help="compare: one more serverless run a round with this mechanism off (repeatable)")
+    p.add_argument("--late", action="append", default=[], type=float,
+                   help="compare: one more serverless run a round with this share of the late start (repeatable)")
     args = p.parse_args()
     if args.curve:
         curve(args)
@@ -223,13 +226,13 @@ def main() -> None:
 def compare(args: argparse.Namespace) -> None:
     """Serverless against fixed pools at its upper sizes, alternated; the table for the README."""
     rows = []
-    sides: list[tuple[str, tuple[str, ...]]] = [("ray", ()), ("serverless", ())]
-    sides += [("serverless", (a,)) for a in args.ablate]
+    sides: list[tuple[str, tuple[str, ...], float | None]] = [("ray", (), None), ("serverless", (), None)]
+    sides += [("serverless", (a,), None) for a in args.ablate] + [("serverless", (), x) for x in args.late]
     for r in range(args.rounds):
-        for be, off in (sides if r % 2 == 0 else sides[::-1]):
-            name = be + "".join(f"_no_{a}" for a in off)
+        for be, off, late in (sides if r % 2 == 0 else sides[::-1]):
+            name = be + "".join(f"_no_{a}" for a in off) + (f"_late{late:g}" if late is not None else "")
             row = {"round": r + 1, **measure(be, args.upper, args.steps, args.skip,
-                                             Path(args.out) / f"{name}_{args.upper}_{r + 1}", off)}
+                                             Path(args.out) / f"{name}_{args.upper}_{r + 1}", off, late)}
             rows.append(row)
             print(json.dumps(row), flush=True)
     print(f"\n`python bench/serverless.py --rounds {args.rounds} --steps {args.steps} --upper {args.upper}`"

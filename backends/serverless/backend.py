@@ -45,15 +45,18 @@ class ServerlessBackend:
     why_not_async = ""  # each group's weights are versions in the object store
 
     def __init__(self, address: str | None = None, log_dir: str | Path | None = None, *, slots: int | None = None,
-                 crash_on_call: Mapping[str, tuple[str, int, str]] | None = None, ablate: Iterable[str] = ()):
+                 crash_on_call: Mapping[str, tuple[str, int, str]] | None = None, ablate: Iterable[str] = (),
+                 late: float | None = None):
         """`crash_on_call` (tests only): group -> (method, n, marker file): that group's n-th `method` call loses
         its first instance mid-call (see instance.serve). `ablate`: mechanisms switched off, for the ablation
         (`predict`, `assign`, `dedup` (deduplicated prefill), `migrate`, `scale`, `prewarm`, `late` (a fused
-        stage's forward instances started with the first chunk, not after their learned slack))."""
+        stage's forward instances started with the first chunk, not after their learned slack)); `late`: that
+        start's share of the slack (the benchmark's; default `Policy.late`)."""
         unknown = set(ablate) - set(ABLATE)
         if unknown:
             raise ValueError(f"ablate: unknown mechanisms {sorted(unknown)}; known: {', '.join(ABLATE)}")
         self.ablate = frozenset(ablate)
+        self.late = late
         self.slots = slots or os.cpu_count() or 1
         self.crash_on_call = dict(crash_on_call or {})
         self.session = Session(address, log_dir, resources={SLOT: float(self.slots)})
@@ -94,6 +97,8 @@ class ServerlessBackend:
             policy = replace(policy, tau=1.0)
         if "prewarm" in self.ablate:
             policy = replace(policy, prewarm=False)
+        if self.late is not None:
+            policy = replace(policy, late=self.late)
         if "late" in self.ablate:
             policy = replace(policy, late=0.0)
         slots = self.shared_slots = Slots(total)  # the cluster's slots now: waiting instances never hold what
