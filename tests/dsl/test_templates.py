@@ -68,7 +68,7 @@ def test_template_source_and_names() -> None:
     assert stdlib_names() == ["grpo", "ppo", "reinforce_pp", "rloo"]
     text = template_source("grpo")
     assert "template grpo(actor: policy, ref: reference, reward, prompts," in text
-    assert "adv      = group_advantage(scores, group = group)" in text
+    assert "adv      = group_advantage(scores, group = group, turns = turns)" in text
     with pytest.raises(FlowError) as info:
         template_source("gpro")
     assert info.value.render() == "error: unknown template `gpro`\nhint: did you mean `grpo`?"
