@@ -17,7 +17,7 @@ from typing import Any
 
 import flowrl.rewards  # noqa: F401  (registers the shipped rewards by name)
 from flowrl import registry
-from flowrl.data.jsonl import read_jsonl
+from flowrl.data.tables import DATA_KINDS, prompt_plain, read_data
 from flowrl.errors import DataError
 from flowrl.ir.graph import ROLES, DataDecl, Graph, ModelDecl, Range, Ref, RewardDecl, Value, frozen
 from flowrl.ir.signatures import (
@@ -46,7 +46,7 @@ CONFIG_KEYS = tuple(k for k in ("layers", "dim", "heads", "vocab", "context", "c
 SHAPE_KEYS = ("layers", "dim", "heads", "vocab", "context", "charset")  # fixed by the weights a model starts from
 FIELD_KEYS = ("source", "trainable", "lr", "engine", "gpus", "replicas")  # ModelDecl fields
 TRAINABLE_ROLES = ("policy", "critic")
-DATA_KINDS = ("jsonl",)
+_EXAMPLE_PATH = {"jsonl": "data/train.jsonl", "parquet": "data/train.parquet", "datasets": "data/train"}
 ENV_ONLY_REWARD = "zero"  # flowrl.rewards.zero: the `reward` of a flow whose rewards are its environment's alone
 
 
@@ -432,7 +432,7 @@ class _Lowering:
                 rows = self._check_data(d, path, key)
                 limit = options.get("limit")
                 rows = rows[:limit] if isinstance(limit, int) and limit > 0 else rows
-                self._prompts[name] = [str(r[key]) for r in rows]
+                self._prompts[name] = [prompt_plain(r[key]) for r in rows]
                 self._shown[name] = self._shown_path(str(to_value(d.args[0].value)))
             out.append(DataDecl(name, d.kind.name, path or "", self.src.loc(d), frozen(options)))
             sources[name] = DataSource(self.src.loc(d), self.src.text_of(d), options)
@@ -448,17 +448,17 @@ class _Lowering:
         if len(args) != 1 or args[0].key is not None or not (
                 isinstance(args[0].value, ast.Literal) and isinstance(args[0].value.value, str)):
             self.rep.error(self.src, f"`{kind}` takes one path string", args[0] if args else d.kind,
-                           hint=f'write `{kind}("data/train.jsonl")` (relative to the flow file)')
+                           hint=f'write `{kind}("{_EXAMPLE_PATH.get(kind, "data/train.jsonl")}")` (relative to the flow file)')
             return None
         return os.path.normpath(os.path.join(self.folder, str(args[0].value.value)))
 
     def _check_data(self, d: ast.DataDecl, path: str, prompt_key: str) -> list[dict[str, Any]]:
-        """Read the file now, so a missing or malformed file is a check-time error, not a mid-run crash; its rows
+        """Read the file (a `datasets` directory) now, so a missing or malformed file is a check-time error, not a mid-run crash; its rows
         ([] after reporting a problem)."""
         where = d.args[0].value
         written = str(to_value(where))
         try:
-            return read_jsonl(path, prompt_key=prompt_key)
+            return read_data(d.kind.name, path, prompt_key=prompt_key)
         except DataError as e:
             for diag in e.diagnostics:
                 if diag.loc is None:  # about the file as a whole: point at the path in the flow

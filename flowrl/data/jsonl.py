@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from flowrl.data.tables import is_chat
 from flowrl.errors import DataError, Diagnostic, Loc
 
 
@@ -32,10 +33,10 @@ def read_jsonl(path: str | Path, prompt_key: str = "prompt") -> list[dict[str, A
                 continue
             if not isinstance(row, dict):
                 problems.append(Diagnostic("each line must be a JSON object", loc, source_line=line.rstrip("\n")))
-            elif not isinstance(row.get(prompt_key), str):
+            elif not (isinstance(row.get(prompt_key), str) or is_chat(row.get(prompt_key))):
                 problems.append(Diagnostic(f"missing string field '{prompt_key}'", loc,
                                            source_line=line.rstrip("\n"),
-                                           hint=f"every row needs \"{prompt_key}\": \"...\""))
+                                           hint=f"every row needs \"{prompt_key}\": \"...\" (or chat messages)"))
             else:
                 rows.append(row)
             if len(problems) >= 20:

@@ -16,7 +16,11 @@ from typing import Any
 
 from flowrl.errors import DataError, Diagnostic
 
-__all__ = ["ROW_KINDS", "check_rows", "is_chat", "read_disk_dataset", "read_parquet", "read_rows"]
+__all__ = ["DATA_KINDS", "ROW_KINDS", "check_rows", "is_chat", "prompt_plain", "read_data", "read_disk_dataset",
+           "read_parquet", "read_rows"]
+
+# The readers a `data NAME = KIND("path")` declaration may name.
+DATA_KINDS = ("jsonl", "parquet", "datasets")
 
 # The columns each kind of row needs; a prompt is text or chat messages, the others text.
 ROW_KINDS: Mapping[str, tuple[str, ...]] = {
@@ -103,7 +107,7 @@ def _message_problem(messages: Sequence[Any]) -> str | None:
 
 
 def check_rows(rows: Sequence[Mapping[str, Any]], where: str, columns: Sequence[str] = ("prompt",),
-               first_row: int = 1) -> None:
+               first_row: int = 1, prompt_key: str = "prompt") -> None:
     """Raise DataError naming every row (`where`, row N) that lacks one of `columns` or whose value is of the
     wrong type: a prompt is a string or chat messages, every other column a string."""
     problems: list[Diagnostic] = []
@@ -119,7 +123,7 @@ def check_rows(rows: Sequence[Mapping[str, Any]], where: str, columns: Sequence[
             if c not in row:
                 continue
             value = row[c]
-            if c == "prompt" and is_chat(value):
+            if c == prompt_key and is_chat(value):
                 problem = _message_problem(value)
                 if problem is not None:
                     problems.append(Diagnostic(f"{where}, row {n}: the chat prompt {problem}",
@@ -130,3 +134,23 @@ def check_rows(rows: Sequence[Mapping[str, Any]], where: str, columns: Sequence[
             break
     if problems:
         raise DataError(problems)
+
+
+def read_data(kind: str, path: str | Path, prompt_key: str = "prompt",
+              columns: Sequence[str] = ()) -> list[dict[str, Any]]:
+    """The rows of a data declaration (`kind` one of DATA_KINDS), each checked to hold `prompt_key` (text or chat
+    messages) and `columns` (text); raises DataError naming the file and the bad rows (a JSONL file by line)."""
+    if kind == "jsonl":
+        from flowrl.data.jsonl import read_jsonl
+        rows = read_jsonl(path, prompt_key=prompt_key)
+    else:
+        rows = read_rows(kind, path)
+    wanted = [prompt_key, *(c for c in columns if c != prompt_key)]
+    check_rows(rows, str(path), wanted, prompt_key=prompt_key)
+    return rows
+
+
+def prompt_plain(value: Any) -> str:
+    """A prompt as text without a model at hand: chat messages in the tiny models' template (`render_plain`)."""
+    from flowrl.data.chat import render_plain
+    return render_plain(value) if is_chat(value) else str(value)

@@ -11,7 +11,7 @@ the sum over its samples, as in the unshared forward.
 
 from __future__ import annotations
 
-from flowrl.data.jsonl import read_jsonl
+from flowrl.data.tables import prompt_plain, read_data
 from flowrl.errors import DataError
 from flowrl.ir.attrs import GenerateAttrs
 from flowrl.ir.graph import Graph, Node
@@ -31,11 +31,11 @@ def prompts_of(graph: Graph, gen: Node) -> DataPrompts | None:
     if decl is None:
         return None
     try:
-        rows = read_jsonl(decl.path, str(decl.options.get("prompt_key", "prompt")))
+        rows = read_data(decl.kind, decl.path, str(decl.options.get("prompt_key", "prompt")))
     except DataError:
         return None
     limit = int(str(decl.options.get("limit", 0) or 0))
-    texts = [str(r[str(decl.options.get("prompt_key", "prompt"))]) for r in rows[: limit or SCAN_ROWS]]
+    texts = [prompt_plain(r[str(decl.options.get("prompt_key", "prompt"))]) for r in rows[: limit or SCAN_ROWS]]
     return DataPrompts(decl.name, texts)
 
 

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from flowrl.data.jsonl import PromptLoader
+from flowrl.data.tables import is_chat, prompt_plain
 from flowrl.errors import Diagnostic, ExecutionError, FlowError, user_frame_hint
 from flowrl.ir.graph import Graph, Node
 from flowrl.runtime import interrupt
@@ -194,12 +195,17 @@ class Controller:
 
 def _prompt_batch(loader: PromptLoader) -> Batch:
     picked = loader.next_batch()
-    return Batch(len(picked), {}, {
-        "prompt": [str(row.get(loader.prompt_key, "")) for _, row in picked],
+    prompts = [row.get(loader.prompt_key, "") for _, row in picked]
+    meta: dict[str, list[Any]] = {
+        # chat prompts as text in the tiny template (what rewards and logs read)
+        "prompt": [prompt_plain(p) for p in prompts],
         "row": [row for _, row in picked],
         "prompt_id": [i for i, _ in picked],
         "prompt_slot": list(range(len(picked))),  # what its samples' random streams are keyed by (worker.py)
-    })
+    }
+    if any(is_chat(p) for p in prompts):  # the generating worker renders these with its model's chat template
+        meta["messages"] = [p if is_chat(p) else None for p in prompts]
+    return Batch(len(picked), {}, meta)
 
 
 def _summary(graph: Graph, values: Mapping[str, Batch]) -> dict[str, float]:

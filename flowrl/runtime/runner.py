@@ -18,7 +18,8 @@ from typing import Any
 
 import torch
 
-from flowrl.data.jsonl import PromptLoader, read_jsonl
+from flowrl.data.jsonl import PromptLoader
+from flowrl.data.tables import read_data
 from flowrl.errors import Diagnostic, FlowError
 from flowrl.ir.graph import Graph
 from flowrl.ir.printer import to_json_text, to_text
@@ -61,7 +62,7 @@ def loaders_of(graph: Graph, seed: int) -> dict[str, PromptLoader]:
     for d in graph.data:
         opts: dict[str, Any] = dict(d.options)
         key = str(opts.get("prompt_key", "prompt"))
-        rows = read_jsonl(d.path, key)
+        rows = read_data(d.kind, d.path, key)
         limit = int(opts.get("limit", 0) or 0)
         loaders[d.name] = PromptLoader(rows[:limit] if limit else rows, int(opts.get("batch", 8)),
                                        bool(opts.get("shuffle", True)), seed, key)

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from flowrl.algos import denominators, policy_loss, value_loss
+from flowrl.data.chat import render_chat
 from flowrl.engines.chunked_generation import StreamControl, Tail, generate_stream, resume_stream
 from flowrl.engines.generation import forward_logprobs, forward_logprobs_entropy, forward_values, generate
 from flowrl.engines.incremental import IncrementalScorer
@@ -60,6 +61,14 @@ class PromptEncoder:
                 row = [tok.bos_id, *row]
             out.append(row[-max(1, self.context - max_tokens):])
         return out
+
+
+def prompt_texts(prompts: Batch, tokenizer: Tokenizer) -> list[str]:
+    """A prompt batch's texts for a model: chat-message prompts ("messages", from the data) rendered with the
+    model's chat template (`render_chat`: the plain template for tiny models), text prompts as they are."""
+    messages = prompts.meta.get("messages") or [None] * prompts.size
+    return [str(p) if m is None else render_chat(m, tokenizer)
+            for p, m in zip(prompts.meta["prompt"], messages, strict=True)]
 
 
 def model_seed(seed: int, name: str) -> int:
@@ -182,7 +191,7 @@ class ModelWorker:
         return Batch(size, tensors, meta, primary="response_ids")
 
     def _prompt_ids(self, model: str, prompts: Batch, max_tokens: int) -> list[list[int]]:
-        return self.prompt_encoder(model).ids(prompts.meta["prompt"], max_tokens)
+        return self.prompt_encoder(model).ids(prompt_texts(prompts, self.models[model].tokenizer), max_tokens)
 
     def prompt_encoder(self, model: str) -> PromptEncoder:
         """How `model`'s generation turns prompt texts into token ids (a driver that plans by tokens asks)."""

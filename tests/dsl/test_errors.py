@@ -453,7 +453,7 @@ DATA = [
         data/bad.jsonl:3:1: error: missing string field 'prompt'
             {{"question": "b"}}
             ^
-        hint: every row needs "prompt": "..."
+        hint: every row needs "prompt": "..." (or chat messages)
         data/bad.jsonl:4:1: error: each line must be a JSON object
             [1]
             ^
@@ -463,7 +463,7 @@ DATA = [
         t.flow:1:10: error: unknown data kind `csv`
             data d = csv("data/arith.jsonl")
                      ^^^
-        hint: data kinds: jsonl
+        hint: data kinds: jsonl, parquet, datasets
     """),
     ('data d = jsonl("data/arith.jsonl") { bach = 4, batch = "4" }\nstep { }\n', """
         t.flow:1:38: error: unknown data key `bach`
