@@ -22,7 +22,7 @@ from flowrl.engines.forward import forward_logprobs, forward_values
 from flowrl.engines.prefix import packed_logprobs_entropy, packed_values
 from flowrl.runtime.batch import Batch
 
-__all__ = ["dpo_micro_loss", "pair_scores", "reward_micro_loss", "sft_micro_loss"]
+__all__ = ["dpo_micro_loss", "pair_scores", "reward_micro_loss", "sft_micro_loss", "with_last_slot"]
 
 _INPUTS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask")
 
@@ -65,17 +65,26 @@ def _logprobs(module: nn.Module, inputs: tuple[Tensor, ...], temperature: float,
     return forward_logprobs(module, *inputs, temperature=temperature, with_grad=True)
 
 
+def with_last_slot(response_ids: torch.Tensor,
+                   response_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Responses with one slot appended after each one's last token (its id never read), and each response's
+    length (that slot's place): the value read at the slot is the last token's hidden state's."""
+    lens = response_mask.sum(1).long()
+    rows = torch.arange(len(lens), device=lens.device)
+    ids = torch.cat([response_ids, response_ids[:, :1]], dim=1)
+    mask = torch.cat([response_mask, torch.zeros_like(response_mask[:, :1])], dim=1)
+    mask[rows, lens] = 1
+    return ids, mask, lens
+
+
 def pair_scores(value_module: nn.Module, mb: Batch, *, with_grad: bool = False, share: int = 0) -> Tensor:
     """(2b,) a reward model's score of each row: its value head on the hidden state of the response's last
     token (EOS), so the score has read the whole response, as TRL's and OpenRLHF's reward models do. (A forward's
     value t is read where response token t is predicted, flowrl.engines.forward; one pad slot appended after each
     response makes that slot's value the last token's.) With `share`, each prompt is computed once, in training."""
     prompt_ids, prompt_mask, response_ids, response_mask = _inputs(mb, _device(value_module))
-    lens = response_mask.sum(1).long()  # (2b,)
+    ids, mask, lens = with_last_slot(response_ids, response_mask)  # (2b, T+1), (2b, T+1), (2b,)
     rows = torch.arange(len(lens), device=lens.device)
-    ids = torch.cat([response_ids, response_ids[:, :1]], dim=1)  # any id: the slot's own token is never read
-    mask = torch.cat([response_mask, torch.zeros_like(response_mask[:, :1])], dim=1)
-    mask[rows, lens] = 1
     values = packed_values(value_module, prompt_ids, prompt_mask, ids, mask, min_len=share) \
         if share and with_grad else None
     if values is None:

@@ -39,6 +39,7 @@ from flowrl.runtime.chunks import (
     score_chunks,
 )
 from flowrl.runtime.env_rollout import EnvPools, env_generate, env_spec_of
+from flowrl.runtime.preference import with_last_slot
 from flowrl.runtime.schedule import Turn, interleave, taking_turns
 from flowrl.runtime.transport import pack, unpack
 
@@ -255,20 +256,36 @@ class ModelWorker:
         return rollout.derive("logp", logp=logp.cpu())
 
     def values(self, model: str, rollout: Batch, attrs: Mapping[str, Any]) -> Batch:
+        return rollout.derive("values", values=self._values(model, self._inputs(rollout), attrs).cpu())
+
+    def _values(self, model: str, inputs: tuple[torch.Tensor, ...], attrs: Mapping[str, Any]) -> torch.Tensor:
         module, a = self.models[model].module, ForwardAttrs.of(attrs)
         micro = a.micro_batch
         values = None
         if a.share_prefix:  # the share-prefix pass (engines/prefix.py)
-            values = shared_values(module, *self._inputs(rollout), micro_batch=micro, min_len=a.prefix_min_len,
+            values = shared_values(module, *inputs, micro_batch=micro, min_len=a.prefix_min_len,
                                    pad=self.pad_id(model))
         if values is None:
-            values = forward_values(module, *self._inputs(rollout), micro_batch=micro)
-        return rollout.derive("values", values=values.cpu())
+            values = forward_values(module, *inputs, micro_batch=micro)
+        return values
 
     def score(self, model: str, rollout: Batch, attrs: Mapping[str, Any]) -> Batch:
-        """Reward-model score: the value head at each sample's last response token."""
-        values = self.values(model, rollout, attrs)["values"]  # (B, T)
-        return rollout.derive("scores", scores=_at_last_token(values, rollout["response_mask"]))
+        """Reward-model score: the value head on the hidden state of each sample's last response token, so the
+        score has read the whole response (as `flowrl.runtime.preference.pair_scores`, which trains it, and TRL's
+        and OpenRLHF's reward models read it)."""
+        prompt_ids, prompt_mask, response_ids, response_mask = self._inputs(rollout)
+        return rollout.derive("scores", scores=self._last_token_scores(
+            model, prompt_ids, prompt_mask, response_ids, response_mask, attrs).cpu())
+
+    def _last_token_scores(self, model: str, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
+                           response_ids: torch.Tensor, response_mask: torch.Tensor,
+                           attrs: Mapping[str, Any]) -> torch.Tensor:
+        """(B,) the value read at each response's last token: a forward's value t is read where response token t
+        is predicted (flowrl.engines.forward), so one slot appended after each response makes that slot's value
+        the last token's."""
+        ids, mask, lens = with_last_slot(response_ids, response_mask)
+        values = self._values(model, (prompt_ids, prompt_mask, ids, mask), attrs)
+        return values[torch.arange(len(lens), device=values.device), lens.to(values.device)]
 
     def score_growing(self, model: str, op: str, rows: Batch, attrs: Mapping[str, Any], *, node: str,
                       stage: str) -> torch.Tensor:
@@ -288,7 +305,14 @@ class ModelWorker:
         out = held[1].feed(rows["sample"], prompt_ids, prompt_mask, response_ids, response_mask, final)  # (F, T)
         if held[1].held == 0:
             del self.growing[node]
-        return _at_last_token(out, rows["response_mask"][final]) if op == "score" else out
+        if op != "score":
+            return out
+        # a score reads the value at the last token, one slot past what the incremental scorer has computed: the
+        # final rows get a whole forward (as `score` does, so fused and unfused scores agree)
+        if not bool(final.any()):
+            return out.new_zeros(0)
+        return self._last_token_scores(model, prompt_ids[final], prompt_mask[final], response_ids[final],
+                                       response_mask[final], attrs)
 
     # ---- training ----------------------------------------------------------------------------------
     def update(self, model: str, batch: Batch, attrs: Mapping[str, Any], *, step_seed: int,
@@ -423,12 +447,6 @@ class ModelWorker:
     def pad_id(self, model: str) -> int:
         """The token id that pads `model`'s rollouts (what a group merging its ranks' rollouts fills with)."""
         return int(self.models[model].tokenizer.pad_id)
-
-
-def _at_last_token(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """(B,) the value at each sample's last response token: a reward model's score."""
-    last = (mask.sum(1) - 1).clamp(min=0).long()
-    return values.gather(1, last[:, None]).squeeze(1)
 
 
 def _safe_temp(t: float) -> float:

@@ -151,3 +151,26 @@ def test_sharing_the_pair_prompt_gives_the_same_losses_and_gradients() -> None:
     plain, _ = reward_micro_loss(rm.module, pairs, num_pairs=3)
     shared, _ = reward_micro_loss(rm.module, pairs, num_pairs=3, share=4)
     assert float(shared.detach()) == pytest.approx(float(plain.detach()), rel=1e-5)
+
+
+@pytest.mark.parametrize("share", [False, True])
+def test_a_reward_model_scores_rollouts_where_it_was_trained_to(share: bool) -> None:
+    """`ModelWorker.score` (the `rm.score(rollout)` op) reads the value at the last response token, as
+    `pair_scores` (the Bradley-Terry update) does: a reward model trained here scores rollouts the same way."""
+    from flowrl.errors import Loc
+    from flowrl.ir.graph import ModelDecl
+    from flowrl.runtime.worker import ModelWorker
+
+    decl = ModelDecl("rm", "reward_model", "tiny:gpt2", Loc("t.flow", 1, 1), config=SHAPE)
+    worker = ModelWorker([decl], [decl], seed=3)
+    module = worker.models["rm"].module
+    batch = pair_batch(_rows_batch(_sum_pairs(6, seed=5)), worker.models["rm"].tokenizer, context=64)
+    attrs = {"share_prefix": share, "prefix_min_len": 1}
+    scored = worker.score("rm", batch, attrs)["scores"]
+    expected = pair_scores(module, batch)
+    assert scored.shape == (12,)
+    torch.testing.assert_close(scored, expected.cpu(), rtol=1e-5, atol=1e-5)
+    # and not the value one token earlier (where the last token is predicted): a different number
+    values = worker.values("rm", batch, {})["values"]
+    last = (batch["response_mask"].sum(1) - 1).long()
+    assert not torch.allclose(values[torch.arange(12), last], scored)
