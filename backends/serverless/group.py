@@ -30,6 +30,7 @@ from flowrl.backends.serverless.ledger import Ledger, usage_of
 from flowrl.backends.serverless.prewarm import Prewarmer, Warm
 from flowrl.backends.serverless.scaling import Policy, Scaler, in_order
 from flowrl.backends.serverless.slots import Acquire, Slots
+from flowrl.elastic.late import late_start, update_slack
 from flowrl.elastic.prefill import PrefillRates
 from flowrl.elastic.scale import ScaleChoice
 from flowrl.ir.graph import Node
@@ -43,7 +44,6 @@ from flowrl.runtime.worker import PromptEncoder
 # Without `placement`, a group's calls count in one elastic pool per stage kind.
 STAGE_KINDS = {"generate": "generation", "logprobs": "inference", "values": "inference", "score": "inference",
                "update": "training", "update_fused": "training"}
-SLACK_MEAN = 0.5  # the weight of the past in a streamed stage's learned slack (the rest: the last step's)
 VERSIONS = itertools.count(1)  # version numbers, unique across groups (0: the weights built from the seed)
 
 
@@ -232,14 +232,14 @@ class ServerlessGroup:
                   "role": self._role(c.rank, len(plan.calls), migration, sink),
                   **({"share": shares[c.rank]} if shares else {})}
             made.append(self._submit(warm, self._wanted(), migrate.METHOD, c.args, kw))
-        late = self.policy.late * (self.slack_s or 0.0)
+        late = self.late_s()
         if away:  # the forward instances start with the first chunk (or once a generation instance returned),
             # `late` seconds after it: a share of what they waited for chunks at the last steps, slot held
             ray.wait([self.mailbox.take_all.remote(box, 0), *[r[1] for r, _ in made]], num_returns=1)
             if late > 0:
                 ray.wait([r[1] for r, _ in made], num_returns=1, timeout=late)
         jobs: list[tuple[ServerlessGroup, str, list[ray.ObjectRef], str]] = []
-        slack: float | None = None  # the least any forward instance waited for chunks this step
+        waits: list[float] = []  # what each forward instance waited for chunks this step
         for name, fs in away.items():
             g = consumers[name]
             assert isinstance(g, ServerlessGroup)
@@ -259,14 +259,12 @@ class ServerlessGroup:
             u = g._usage(op, st)
             waited = max(0.0, u.run_s - busy)
             u = replace(u, run_s=busy, wait_s=u.wait_s + waited)  # waiting for chunks: idle
-            slack = min(slack, waited) if slack is not None else waited
+            waits.append(waited)
             g.ledger.record([u], [token])
             _gather(outs, wall_spans, theirs, spans)
         if box:
             self.mailbox.close.remote(box)  # its chunks are no longer pinned in the object store
-        if slack is not None:  # the slack the forward instances had after the first chunk, a moving mean
-            seen = slack + late
-            self.slack_s = seen if self.slack_s is None else SLACK_MEAN * self.slack_s + (1 - SLACK_MEAN) * seen
+        self.learn_slack(waits, late)
         shift = time.time() - time.perf_counter()  # wall clock -> perf_counter
         gen_end = max(part.ended for part in parts)
         chunks, rollout = self._rollout(parts, args[1])
@@ -281,6 +279,16 @@ class ServerlessGroup:
             {"fusion/chunks": float(sum(len(p.chunks) for p in parts)), "fusion/workers": float(len(plan.calls)),
              "fusion/gen_s": gen_end - shift - started, **({"fusion/late_s": late} if away else {})},
             gen_end - shift, {n: (a - shift, b - shift) for n, (a, b) in wall_spans.items()})
+
+    def late_s(self) -> float:
+        """How long after the first chunk a streamed stage's forward instances start (flowrl.elastic.late, as
+        the simulator's `RLHFless.late_s`)."""
+        return late_start(self.slack_s, self.policy.late)
+
+    def learn_slack(self, waits: Sequence[float], late: float) -> None:
+        """What each forward instance waited for chunks this step, started `late` after the first chunk: the
+        slack the stage had after it, into the moving mean."""
+        self.slack_s = update_slack(self.slack_s, waits, late)
 
     def _collect(self, method: str, refs: Sequence[Sequence[ray.ObjectRef]], tokens: Sequence[str],
                  first: bool) -> tuple[list[Any], list[Usage]]:

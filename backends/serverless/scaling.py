@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from flowrl.elastic.late import LATE_SHARE
 from flowrl.elastic.plan import GenerationPlan, learn_decode, plan_generation, predictions, start_overhead
 from flowrl.elastic.predict import LengthPredictor
 from flowrl.elastic.scale import DecodeCurve, ScaleChoice, choose_instances
@@ -40,7 +41,7 @@ class Policy:
     dedup: str = "auto"  # deduplicated prefill: auto | handover | local | off (backends/serverless/prefill.py)
     # a fused stage's forward instances start this share of their learned slack after the first chunk (0: with
     # it): what they would have spent waiting for chunks, slot held, while generation goes on (group.stream_stage)
-    late: float = 0.8
+    late: float = LATE_SHARE  # flowrl.elastic.late
 
 
 def in_order(out: Batch, rows: list[int] | None, order: list[int] | None) -> Batch:

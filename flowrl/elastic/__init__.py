@@ -8,6 +8,8 @@ policy is measured in both places. Nothing here touches a device, a process or a
   time-per-decode-step curve, and the cost-weighted choice of N;
 - `migrate`: when an instance's unfinished sequences move (cut-and-migrate) and to which instance;
 - `prewarm`: when to start a stage's instances so that they are ready before it starts;
+- `late`: how long after the first chunk a fused stage's forward instances start (a share of their learned
+  slack, what they waited for chunks with their slots held);
 - `prefill`: which instance computes a prompt prefix shared across instances, and whether the others take its
   keys and values or compute it themselves (deduplicated prefill);
 - `plan`: one generation's decisions put together (instance count, runs, migration sink) and what a finished
@@ -16,6 +18,7 @@ Imports only the standard library.
 """
 
 from flowrl.elastic.assign import ranked_runs, split_runs
+from flowrl.elastic.late import LATE_SHARE, SLACK_MEAN, late_start, update_slack
 from flowrl.elastic.migrate import migration_target, should_migrate
 from flowrl.elastic.plan import (
     GenerationPlan,
@@ -37,8 +40,8 @@ from flowrl.elastic.prefill import (
 from flowrl.elastic.prewarm import learn_start, prewarm_delay, prewarm_plan
 from flowrl.elastic.scale import Candidate, DecodeCurve, ScaleChoice, choose_instances, decode_steps, estimate
 
-__all__ = ["Candidate", "DecodeCurve", "GenerationPlan", "HandOver", "LengthPredictor", "PrefillRates", "PrefixShare",
-           "ScaleChoice", "choose_instances", "decide_hand_over", "decode_steps", "estimate", "hand_over", "learn_decode",
+__all__ = ["LATE_SHARE", "SLACK_MEAN", "Candidate", "DecodeCurve", "GenerationPlan", "HandOver", "LengthPredictor", "PrefillRates", "PrefixShare",
+           "ScaleChoice", "choose_instances", "decide_hand_over", "decode_steps", "estimate", "hand_over", "late_start", "learn_decode",
            "learn_start", "migration_sink", "migration_target", "plan_generation", "predictions", "prewarm_delay",
            "prewarm_plan", "ranked_runs", "share_prefixes", "should_migrate", "spearman", "split_runs",
-           "start_overhead"]
+           "start_overhead", "update_slack"]
