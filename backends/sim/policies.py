@@ -27,7 +27,7 @@ from flowrl.backends.sim.costs import CostModel, Row
 from flowrl.backends.sim.generation import Gen, GenResult, Instance, Seq
 from flowrl.backends.sim.work import FlowWork
 from flowrl.backends.sim.workload import Step
-from flowrl.elastic import migration_target
+from flowrl.elastic import LATE_SHARE, migration_target
 from flowrl.errors import Diagnostic, FlowError
 from flowrl.planner.fuse_schedule import Problem, lower_bound, solve
 
@@ -72,6 +72,7 @@ class Options:
     window: int = 4  # rlhfless: EWMA window of the length predictor
     prewarm: bool = True  # rlhfless: instances start before the stage (from the step history)
     margin_s: float = 0.05  # rlhfless: pre-warmed instances are ready this long before the stage's earliest start
+    late: float = LATE_SHARE  # rlhfless: a fused stage's forward instances start this share of their slack late
     dedup: str = "auto"  # rlhfless: deduplicated prefill, auto | handover | local | off (as `run { dedup_prefill }`)
     rollout_devices: int | None = None  # pipe-rlhf: the rollout pool (None: searched)
     colocated_memory: float = 0.5  # serverful, rlhfuse: generation's share of a device training also holds

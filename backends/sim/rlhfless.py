@@ -20,11 +20,15 @@ Per step, as the backend's pools take them:
   `cold_start_s` first. A pre-warmed instance is held from its start; one the call did not take stays held to
   the step's end (the backend releases it at the next step).
 Forwards and updates run on all devices, each device an instance, held from their start to their stage's end.
+A fused generation+forwards stage (pass fuse-gen-inference) streams: its forwards' instances are called at the
+first finished sample, `late_start` (flowrl.elastic.late) of their learned slack after it, as the backend's, and
+take each sample as it finishes; what they wait for samples is held, not busy, and updates the slack
+(`update_slack`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from flowrl.backends.sim.costs import CostModel
 from flowrl.backends.sim.generation import Gen, Instance, PrefixPart, Seq
@@ -32,12 +36,14 @@ from flowrl.backends.sim.policies import (
     Options,
     PoolUse,
     Serverful,
+    Span,
     StepResult,
     forwards_and_updates,
     gen_spans,
+    rows_of,
     seqs_of,
 )
-from flowrl.backends.sim.work import FlowWork
+from flowrl.backends.sim.work import Call, FlowWork
 from flowrl.backends.sim.workload import Step
 from flowrl.elastic import (
     GenerationPlan,
@@ -45,6 +51,7 @@ from flowrl.elastic import (
     PrefillRates,
     decide_hand_over,
     decode_steps,
+    late_start,
     learn_decode,
     learn_start,
     plan_generation,
@@ -53,6 +60,7 @@ from flowrl.elastic import (
     share_prefixes,
     should_migrate,
     start_overhead,
+    update_slack,
 )
 
 OPTIMIZER_BYTES = 8  # per parameter: Adam's two fp32 moments, loaded by a training instance with the weights
@@ -112,6 +120,7 @@ class RLHFless(Serverful):
         self.overhead_s = 0.0  # a generation instance's start beyond decoding, as measured
         self.rates = PrefillRates()
         self.pools = {"generation": Pool(), "inference": Pool(), "training": Pool()}
+        self.slack_s: float | None = None  # a fused stage's learned slack (flowrl.elastic.late)
 
     def _load(self, models: list[str], training: bool = False) -> float:
         """Seconds for one of the pool's devices to load its shard of the models (sharded over every device,
@@ -141,6 +150,28 @@ class RLHFless(Serverful):
         return [PrefixPart(sum(lengths[g] for g in sh.compute),
                            tuple((owner, sum(lengths[g] for g, o in sh.take if o == owner))
                                  for owner in sorted({o for _, o in sh.take})), how.patience_s) for sh in shares]
+
+    def late_s(self) -> float:
+        """How long after the first chunk a fused stage's forward instances start (flowrl.elastic.late, as the
+        backend's `ServerlessGroup.late_s`)."""
+        return late_start(self.slack_s, self.opts.late)
+
+    def learn_slack(self, waits: list[float], late: float) -> None:
+        """What each forward instance waited for chunks this step, started `late` after the first chunk: the
+        slack into the moving mean (the backend's `ServerlessGroup.learn_slack`)."""
+        self.slack_s = update_slack(self.slack_s, waits, late)
+
+    def _stream(self, streamed: list[Call], seqs: list[Seq], start: float) -> tuple[float, float, list[Span]]:
+        """A fused stage's forwards on every device from `start`, each sample's share once it finished (the
+        backend's consumer takes the chunks as they come) -> (their end, the seconds each device waited for
+        chunks, spans)."""
+        rows = rows_of(seqs)
+        per = sum(self.cost.forward_s(self.work.shapes[f.model], rows, self.devices, share_prefix=f.share_prefix)
+                  for f in streamed) / len(seqs)
+        t = start
+        for s in sorted(seqs, key=lambda s: s.finished_at or 0.0):
+            t = max(t, s.finished_at or 0.0) + per
+        return t, max(0.0, t - start - per * len(seqs)), [Span("inference", f.node, f.op, start, t) for f in streamed]
 
     def decide(self, step: Step) -> GenerationPlan:
         """The step's generation plan from what the pool has learned (the backend's `Scaler.shards`)."""
@@ -190,12 +221,24 @@ class RLHFless(Serverful):
         # the forwards' and updates' instances: every device, pre-warmed from their pool's history
         forward_models = sorted({f.model for f in self.work.forwards})
         train_models = sorted({u.model for u in self.work.updates})
+        # a fused stage's forwards (`stream`) are called at the first chunk, `late` after it (or once a generation
+        # instance returned), as the backend's `stream_stage` calls them; the others at generation's end
+        streamed = [f for f in self.work.forwards if f.stream]
+        late = self.late_s() if streamed else 0.0
+        fwd_at = min(min(s.finished_at or res.end for s in seqs) + late,
+                     min(i.released or res.end for i in res.instances)) if streamed else res.end
         fwd_ready, fwd_from, fwd_unused = self.pools["inference"].start(
-            res.end, self.devices, self._load(forward_models), cold, self.opts.margin_s, self.opts.prewarm) \
+            fwd_at, self.devices, self._load(forward_models), cold, self.opts.margin_s, self.opts.prewarm) \
             if forward_models else ([res.end], [res.end], (0, 0.0))
         fwd_start = max(fwd_ready)
-        fwd_end, t, _, spans = forwards_and_updates(self.cost, self.work, seqs, self.devices, fwd_start, "training",
-                                                    fwd_track="inference", updates=False)
+        stream_end, chunk_wait, spans = self._stream(streamed, seqs, fwd_start) if streamed else (fwd_start, 0.0, [])
+        if streamed:
+            self.learn_slack([chunk_wait], late)
+        fwd_end, t, _, rest = forwards_and_updates(self.cost, replace(self.work, forwards=tuple(
+            f for f in self.work.forwards if not f.stream)), seqs, self.devices, max(stream_end, res.end),
+            "training", fwd_track="inference", updates=False)
+        spans += rest
+        chunk_wait += max(0.0, res.end - stream_end)  # the unstreamed forwards wait for generation's end
         train_ready, train_from, train_unused = self.pools["training"].start(
             fwd_end, self.devices, self._load(train_models, training=True), cold, self.opts.margin_s,
             self.opts.prewarm) if train_models else ([fwd_end], [fwd_end], (0, 0.0))
@@ -213,7 +256,7 @@ class RLHFless(Serverful):
         pools = {"generation": PoolUse(self.instances * self.tp, gen_held,
                                        sum(i.busy for i in res.instances) * self.tp, starting),
                  "inference": PoolUse(self.devices, (fwd_end - fwd_start) * self.devices + fwd_wait,
-                                      (fwd_end - fwd_start) * self.devices, fwd_wait),
+                                      (fwd_end - fwd_start - chunk_wait) * self.devices, fwd_wait),
                  "training": PoolUse(self.devices, (end - train_start) * self.devices + train_wait,
                                      (end - train_start) * self.devices, train_wait)}
         on: dict[int, list[Seq]] = {i.iid: [] for i in res.instances}
@@ -230,6 +273,8 @@ class RLHFless(Serverful):
         notes = {"gen_s": res.end - t0, "after_gen_s": end - res.end, "instances": plan.instances,
                  "migrations": len(res.migrations), "cold_starts": colds, "start_wait_s": t0,
                  "fwd_start_wait_s": fwd_start - res.end, "train_start_wait_s": train_start - fwd_end}
+        if streamed:  # as the backend's fusion/late_s, and what the forward instances waited for chunks
+            notes.update(late_s=late, chunk_wait_s=chunk_wait)
         if plan.choice is not None:
             notes.update(predicted_T=plan.choice.chosen.time_s, predicted_C=plan.choice.chosen.device_s)
         if prefixes is not None:

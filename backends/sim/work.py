@@ -24,6 +24,7 @@ class Call:
     mini_batches: int = 1
     fusion: str | None = None  # updates of one intra-stage fusion group run as one call
     share_prefix: bool = False  # a prompt's samples share its prefix (pass share-prefix); generate: prompts' too
+    stream: bool = False  # a forward fused with generation (pass fuse-gen-inference): it takes the chunks as they come
 
 
 @dataclass(frozen=True)
@@ -79,7 +80,8 @@ def flow_work(graph: Mapping[str, Any], overrides: Mapping[str, ModelShape] | No
         elif op == "generate":
             gens.append((Call(n["id"], op, model, share_prefix=bool(attrs.get("share_prefix"))), attrs))
         elif op in FORWARD_OPS and model:
-            fwds.append(Call(n["id"], op, model, share_prefix=bool(attrs.get("share_prefix"))))
+            fwds.append(Call(n["id"], op, model, share_prefix=bool(attrs.get("share_prefix")),
+                             stream=attrs.get("fusion_kind") == "inter-stage"))
         elif op == "update" and model:
             fused = attrs.get("fusion") if attrs.get("fusion_kind") == "intra-stage" else None
             ups.append(Call(n["id"], op, model, int(attrs.get("epochs", 1)), int(attrs.get("mini_batches", 1)),
