@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
+from flowrl.elastic import LATE_SHARE
 from flowrl.errors import Diagnostic, FlowError
 
 if TYPE_CHECKING:
@@ -35,6 +36,8 @@ def add_verbs(verb: Verb) -> None:
     c.add_argument("--gen-tp", type=int, default=None, help="devices per generation instance")
     c.add_argument("--dedup", default="auto", choices=["auto", "handover", "local", "off"],
                    help="rlhfless: deduplicated prefill of the prompts' shared prefix (as run { dedup_prefill })")
+    c.add_argument("--late", type=float, default=LATE_SHARE,
+                   help="rlhfless: a fused stage's forwards start this share of their learned slack late (0: off)")
     c.add_argument("--out", default=None, metavar="DIR", help="write trace.json and simulation.json here")
     c.add_argument("--json", action="store_true", help="print the summaries as JSON")
 
@@ -146,7 +149,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if not 0.0 <= args.cost_weight <= 1.0 or not 0.0 < args.tau <= 1.0 or not 0.0 < args.rt < 1.0:
         raise FlowError(Diagnostic("--cost-weight must be in [0, 1], --tau in (0, 1], --rt in (0, 1)"))
     cost, work, steps = _setup(args)
-    opts = Options(gen_tp=args.gen_tp, cost_weight=args.cost_weight, tau=args.tau, rt=args.rt, dedup=args.dedup)
+    opts = Options(gen_tp=args.gen_tp, cost_weight=args.cost_weight, tau=args.tau, rt=args.rt, dedup=args.dedup,
+                   late=args.late)
     results = [simulate(p, cost, work, steps, opts) for p in names]
     if args.json:
         print(json.dumps([r.summary() for r in results], indent=2))
