@@ -168,13 +168,13 @@ class Gen:
         self._advance(source, now)
         moving = source.running + source.queue
         source.running, source.queue, source.migrated_out = [], [], True
+        target.arriving += len(moving)  # before the release: a sink idle for this source's word must not release
         self._release(source, now)
         self._version[source.iid] += 1
         if not moving:
             return
         kv = self.cost.kv_bytes(self.shape, sum(s.context for s in moving))
         arrive = now + self.cost.transfer_s(kv, self.tp, across_nodes=self.cost.cluster.nodes > 1)
-        target.arriving += len(moving)
         target.total += len(moving)
         source.total -= len(moving)
         self._arrivals.setdefault(target.iid, []).extend(moving)

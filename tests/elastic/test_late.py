@@ -68,12 +68,12 @@ def test_one_recorded_sequence_of_waits_gives_the_backend_and_the_simulator_the_
 
 def streamed(late: float, prewarm: bool = False) -> RLHFless:
     """The recorded run's simulator with a forward (a reference model's logprobs) fused with generation (no
-    migration: `tau` 1; no cold start, so that the forward instances are ready long before generation ends)."""
+    cold start, so that the forward instances are ready long before generation ends)."""
     pol = simulator()
     cost = CostModel(pol.cost.cluster, replace(pol.cost.f, cold_start_s=0.0))
     work = replace(pol.work, shapes={**pol.work.shapes, "ref": pol.work.shapes["actor"]},
                    forwards=(Call("ref_logp", "logprobs", "ref", stream=True),))
-    return RLHFless(cost, work, replace(pol.opts, late=late, prewarm=prewarm, tau=1.0))
+    return RLHFless(cost, work, replace(pol.opts, late=late, prewarm=prewarm))
 
 
 def test_the_simulator_starts_a_fused_stages_forwards_late_and_holds_them_less() -> None:

@@ -97,6 +97,22 @@ def test_migrated_kv_cache_crosses_the_link_first():
     assert res.instances[1].released == pytest.approx(0.245)
 
 
+def test_a_sink_idle_for_its_sources_word_takes_the_migrated_sequences():
+    # instance 1 (the sink, waiting for instance 0) ends C(1) at 10 ms and waits; at 15 ms instance 0 ends A and
+    # moves B (9 tokens left) to it and releases: the sink must not release with it (B is arriving). B alone, 10
+    # ms an iteration, ends at 105 ms.
+    a, b = seqs(1, 10)
+    c = Seq(2, 9, 4, 1)
+
+    def hook(g: Gen, inst: Instance, now: float) -> None:
+        if inst.iid == 0 and inst.running:
+            g.migrate(inst, g.inst[1], now)
+
+    res = Gen(ToyCost(), SHAPE, 1, 4, [[a, b], [c]], hook=hook, sinks={1: {0}}).run()
+    assert b.finished_at == pytest.approx(0.105) and b.done_on == 1
+    assert res.instances[1].released == pytest.approx(0.105)
+
+
 def test_migrating_to_an_instance_that_released_its_devices_is_refused():
     a, b = seqs(1, 10)
 
