@@ -6,26 +6,32 @@ prompts). A 2-layer character model trained from scratch does not learn these pr
 to memorise 212 answers from a reward alone. With the tool it only has to call it and copy what comes back. A
 trajectory that learned reads
 
-    13*7=   ()    91;          91
+    13*7=   ()    91;91;91;    91
     prompt  call  observation  final answer (the text after the last observation)
 
-The call is `(` ... `)` (the flow's `call` and `end` markers); the tool answers with the product and a `;` that
-closes the observation, so the reward can find where the final answer starts. The tool reads the question from the
-row (its `question` column), not from the call's arguments: what is learnt is *when* to call and to copy the
-answer, not to copy the question into the call (copying five more characters exactly, with a reward that only sees
-the final answer, does not learn in the examples' five-minute budget), so the call's arguments are accepted and
-ignored. The reward adds `CALL_BONUS` for a call (capped at 1): without it the policy stops calling the tool
-before it has learnt to use it (see `final_answer`).
+The call is `(` ... `)` (the flow's `call` and `end` markers); the tool answers with the product and a `;`, `REPEAT`
+times: the `;` closes the observation, so the reward can find where the final answer starts, and the repetition is
+half of what made the copy learnable in minutes (bench/RESULTS_multiturn.md: shown once, the policy learnt the call
+and one digit, 0.44-0.58; shown three times, with 32 x 16 samples and 2 epochs a step, 0.90). Every answer digit
+then stands two places before the one the policy writes (`...91;` -> `9`, `...1;9` -> `1`) and three times in the
+context, against the prompt's operand digits, which say nothing certain about the product.
+
+The tool reads the question from the row (its `question` column), not from the call's arguments: what is learnt is
+*when* to call and to copy the answer, not to copy the question into the call (copying five more characters exactly,
+with a reward that only sees the final answer, does not learn in the examples' five-minute budget), so the call's
+arguments are accepted and ignored. The reward adds `CALL_BONUS` for a call (capped at 1): without it the policy
+stops calling the tool before it has learnt to use it (see `final_answer`).
 """
 
 from __future__ import annotations
 
 import re
 
-__all__ = ["CALL_BONUS", "END_OBS", "calc", "evaluate", "final_answer", "grade"]
+__all__ = ["CALL_BONUS", "END_OBS", "REPEAT", "calc", "evaluate", "final_answer", "grade"]
 
 END_OBS = ";"  # closes every observation: the final answer is the text after the last one
 CALL_BONUS = 0.2  # reward for having called the tool (see `final_answer`)
+REPEAT = 3  # how many times an observation shows the answer (see above)
 # Bounded ASCII operands: no 10**10**10 from a policy, and no "٣" (a digit to \d and int()).
 _EXPR = re.compile(r"^\s*([0-9]{1,12})\s*([*+-])\s*([0-9]{1,12})\s*$")
 
@@ -40,10 +46,10 @@ def evaluate(expr: str) -> int | None:
 
 
 def calc(args: str, question: str = "", **_: object) -> str:
-    """The tool: the value of the row's `question` (`47*38`; `args`, the call's text, is ignored, see above)
-    followed by `END_OBS`; `?;` when the row holds no question it can compute."""
+    """The tool: the value of the row's `question` (`13*7`; `args`, the call's text, is ignored, see above)
+    followed by `END_OBS`, `REPEAT` times (`91;91;91;`); `?;?;?;` when the row holds no question it can compute."""
     value = evaluate(question)
-    return f"{'?' if value is None else value}{END_OBS}"
+    return f"{'?' if value is None else value}{END_OBS}" * REPEAT
 
 
 def grade(answer_text: str, answer: object) -> float:

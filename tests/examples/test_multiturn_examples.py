@@ -20,7 +20,7 @@ from flowrl.envs.protocol import EnvSpec
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 sys.path.insert(0, str(EXAMPLES))  # as the flows' folder is wherever their environments run
 
-from envs.calc import CALL_BONUS, calc, evaluate, final_answer, grade  # noqa: E402
+from envs.calc import CALL_BONUS, REPEAT, calc, evaluate, final_answer, grade  # noqa: E402
 from envs.guess import Guess, feedback  # noqa: E402
 from envs.latency import Latency, draw, p99_over_p50  # noqa: E402
 
@@ -36,10 +36,11 @@ def test_evaluate_reads_only_small_integer_arithmetic() -> None:
 
 
 def test_the_tool_answers_the_rows_question_and_ignores_its_arguments() -> None:
-    assert calc("", question="13*7") == "91;"
-    assert calc("99*99 garbage ))((", question="2*36") == "72;"
-    assert calc("13*7") == "?;"  # no question in the row: nothing to compute, said in the observation
-    assert calc("", question="not a question") == "?;"
+    assert REPEAT == 3  # the answer shown three times: what made the copy learnable (envs/calc.py)
+    assert calc("", question="13*7") == "91;91;91;"
+    assert calc("99*99 garbage ))((", question="2*36") == "72;72;72;"
+    assert calc("13*7") == "?;?;?;"  # no question in the row: nothing to compute, said in the observation
+    assert calc("", question="not a question") == "?;?;?;"
 
 
 def test_grade_is_exact_match_with_partial_credit_below_it() -> None:
@@ -57,6 +58,8 @@ def test_grade_is_exact_match_with_partial_credit_below_it() -> None:
 
 def test_the_reward_grades_the_text_after_the_last_observation() -> None:
     assert final_answer("13*7=", "()91;91", answer=91) == 1.0  # the call's bonus never passes 1
+    assert final_answer("13*7=", "()91;91;91;91", answer=91) == 1.0  # the tool's real observation
+    assert final_answer("13*7=", "()91;91;91;19", answer=91) == CALL_BONUS  # digits swapped: none in place
     assert final_answer("13*7=", "()91;93", answer=91) == pytest.approx(0.4 + CALL_BONUS)
     assert final_answer("13*7=", "()91;", answer=91) == 0.0  # called, never answered: no bonus
     assert final_answer("13*7=", "()91;x", answer=91) == CALL_BONUS
@@ -115,7 +118,7 @@ def test_the_calculator_as_the_pool_runs_it_answers_a_call_and_ends_at_the_answe
         row = {"prompt": "13*7=", "question": "13*7", "answer": 91}
         assert pool.reset(0, row).result().observation == ""
         called = pool.step(0, "()").result()
-        assert (called.observation, called.done, called.error) == ("91;", False, None)
+        assert (called.observation, called.done, called.error) == ("91;91;91;", False, None)
         answered = pool.step(0, "91").result()
         assert answered.done and answered.error is None
     finally:
@@ -133,6 +136,8 @@ def test_the_flow_runs_two_steps_on_the_local_backend(tmp_path: Path, name: str)
             continue
         assert r["env/errors"] == 0 and r["env/timeouts"] == 0
         assert 1.0 <= r["env/turns_mean"] <= (2.0 if name == "calc_tool" else 5.0)
+        if name == "calc_tool":  # the tool-call path: an untrained policy writes `(` in ~8% of trajectories
+            assert 0.0 < r["env/tool_calls_mean"] <= 2.0
         if name == "guess_number":  # every guess is answered, the last one maybe with `=` (done, not a call)
             assert r["env/tool_calls_mean"] >= r["env/turns_mean"] - 1
             assert -2.5 <= r["env/return_mean"] <= 1.0
