@@ -15,7 +15,12 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["render_chat", "render_plain"]
+__all__ = ["is_chat", "render_chat", "render_plain"]
+
+
+def is_chat(value: Any) -> bool:
+    """A prompt given as chat messages: a list of {"role": ..., "content": ...} dicts."""
+    return isinstance(value, list) and all(isinstance(m, dict) for m in value)
 
 
 def render_plain(messages: Sequence[Mapping[str, str]]) -> str:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from flowrl.data.tables import is_chat
+from flowrl.data.chat import is_chat
 from flowrl.errors import DataError, Diagnostic, Loc
 
 

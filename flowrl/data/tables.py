@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from flowrl.data.chat import is_chat
 from flowrl.errors import DataError, Diagnostic
 
 __all__ = ["DATA_KINDS", "ROW_KINDS", "check_rows", "is_chat", "prompt_plain", "read_data", "read_disk_dataset",
@@ -87,11 +88,6 @@ def read_rows(kind: str, path: str | Path) -> list[dict[str, Any]]:
     if kind == "datasets":
         return read_disk_dataset(path)
     raise ValueError(f"unknown table kind {kind!r}")
-
-
-def is_chat(value: Any) -> bool:
-    """A prompt given as chat messages: a list of {"role": ..., "content": ...} dicts."""
-    return isinstance(value, list) and all(isinstance(m, dict) for m in value)
 
 
 def _message_problem(messages: Sequence[Any]) -> str | None:
