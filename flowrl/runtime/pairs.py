@@ -18,6 +18,7 @@ import torch
 
 from flowrl.data.chat import render_chat
 from flowrl.data.tables import is_chat
+from flowrl.engines.generation import left_pad_prompts
 from flowrl.models.tokenizer import Tokenizer
 from flowrl.runtime.batch import Batch
 
@@ -42,16 +43,11 @@ def _encode(tokenizer: Tokenizer, prompt: str, response: str, context: int) -> t
 
 
 def _tensors(pairs: Sequence[tuple[list[int], list[int]]], pad: int) -> dict[str, torch.Tensor]:
-    width = max(len(p) for p, _ in pairs)
+    prompt_ids, prompt_mask = left_pad_prompts([p for p, _ in pairs], pad, torch.device("cpu"))  # (R, P)
     length = max(len(r) for _, r in pairs)
-    rows = len(pairs)
-    prompt_ids = torch.full((rows, width), pad, dtype=torch.long)
-    prompt_mask = torch.zeros((rows, width), dtype=torch.long)
-    response_ids = torch.full((rows, length), pad, dtype=torch.long)
-    response_mask = torch.zeros((rows, length), dtype=torch.long)
-    for i, (p, r) in enumerate(pairs):
-        prompt_ids[i, width - len(p):] = torch.tensor(p)  # left-padded prompts
-        prompt_mask[i, width - len(p):] = 1
+    response_ids = torch.full((len(pairs), length), pad, dtype=torch.long)
+    response_mask = torch.zeros((len(pairs), length), dtype=torch.long)
+    for i, (_, r) in enumerate(pairs):
         response_ids[i, : len(r)] = torch.tensor(r)  # right-padded responses
         response_mask[i, : len(r)] = 1
     return {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "response_ids": response_ids,
