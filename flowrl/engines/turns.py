@@ -15,12 +15,17 @@ t (`turn_keys`, over flowrl.engines.sampling's keys), so samples depend on neith
 environments' timing. `overlap=False` is the barrier loop (the benchmark's baseline), the same code with the
 polling switched off: every live sample ends its turn, then every pending environment call is awaited, then all
 observations are prefilled together: the same samples, later.
+
+`stream_turns` is the same loop handing finished trajectories out as it goes (`TurnChunk`s; pass
+fuse-gen-inference): whenever nothing is left to decode and environments are pending, the trajectories finished
+since the last hand-out go to the caller first, so the forwards over them (old/reference log-probs, values,
+scores) run in the time the loop would otherwise spend waiting; that time is busy, not `idle_s`.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Hashable, Iterator, Mapping, Sequence
 from concurrent.futures import ALL_COMPLETED, FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,7 +40,7 @@ from flowrl.envs.protocol import Envs, Outcome
 from flowrl.models.build import cache_kw
 from flowrl.models.tokenizer import Tokenizer
 
-__all__ = ["ENDED", "TurnOutput", "generate_turns", "turn_keys"]
+__all__ = ["ENDED", "TurnChunk", "TurnOutput", "generate_turns", "stream_turns", "turn_keys"]
 
 ENDED = ("done", "max_turns", "eos", "length", "error")
 _TURN_SALTS = (0x27D4EB2F, 0x165667B1)
@@ -65,6 +70,16 @@ class TurnOutput:
     ended: list[str]  # one of ENDED per trajectory
     idle_s: float  # seconds with nothing to decode while environments were pending
     wall_s: float  # seconds of the whole call
+
+
+@dataclass(frozen=True)
+class TurnChunk:
+    """Trajectories `stream_turns` hands out together: `rows`, their places in the call (prompt i's sample j is
+    row i * n + j), ascending; `out` their TurnOutput (its `prompt_index` the call's; `idle_s` and `wall_s` the
+    call's seconds since the previous chunk, so the chunks' sums are the call's)."""
+
+    rows: list[int]
+    out: TurnOutput
 
 
 def turn_keys(keys: Tensor, turns: Tensor | int) -> Tensor:
@@ -136,6 +151,23 @@ def generate_turns(module: nn.Module, tokenizer: Tokenizer, prompts: Sequence[Se
     when the response would pass `max_total` tokens ("length"; default: the model's positions minus the prompt;
     an observation is appended only if one action token still fits after it). `min_tokens` bans EOS in each
     turn's first tokens."""
+    (whole,) = stream_turns(module, tokenizer, prompts, rows, envs, n=n, max_tokens=max_tokens, max_turns=max_turns,
+                            max_total=max_total, stop=stop, min_tokens=min_tokens, temperature=temperature,
+                            top_p=top_p, seed=seed, prompt_slots=prompt_slots, overlap=overlap, device=device,
+                            hand_out=False)
+    return whole.out
+
+
+def stream_turns(module: nn.Module, tokenizer: Tokenizer, prompts: Sequence[Sequence[int]],
+                 rows: Sequence[Mapping[str, Any]], envs: Envs, *, n: int = 1, max_tokens: int, max_turns: int,
+                 max_total: int | None = None, stop: Sequence[str] = (), min_tokens: int = 0,
+                 temperature: float = 1.0, top_p: float = 1.0, seed: int | None = None,
+                 prompt_slots: Sequence[int] | None = None, overlap: bool = True,
+                 device: str | torch.device = "cpu", hand_out: bool = True, chunk: int = 0) -> Iterator[TurnChunk]:
+    """`generate_turns`' trajectories (the same samples), handed out as they finish: with `hand_out`, the ones
+    finished so far each time nothing is left to decode while environments are pending (the caller's work on
+    them fills that wait) and whenever `chunk` (> 0) of them are waiting to go; the rest at the end. Without
+    `hand_out`, one chunk of every trajectory at the end."""
     check_sampling_args(prompts, n, max_tokens, min_tokens, temperature, top_p)
     if len(rows) != len(prompts):
         raise ValueError(f"generate_turns got {len(rows)} rows for {len(prompts)} prompts")
@@ -172,15 +204,19 @@ def generate_turns(module: nn.Module, tokenizer: Tokenizer, prompts: Sequence[Se
     waiting = list(range(len(trajs)))
     batch: _Batch | None = None
     no_tokens = torch.zeros(0, dtype=torch.long, device=dev)
-    idle = 0.0
-    with torch.inference_mode():
-        while True:
-            if batch is None:
-                if not waiting:
-                    break
-                began = time.perf_counter()
-                wait([_future(trajs[i]) for i in waiting], return_when=FIRST_COMPLETED if overlap else ALL_COMPLETED)
-                idle += time.perf_counter() - began
+    clock = _Clock(started)
+    finished: list[int] = []  # ended, not handed out yet
+    while True:
+        if batch is None:
+            if finished and hand_out and waiting:  # the caller's work on them fills the wait below
+                yield clock.chunk(trajs, finished, n, ids, mask, lim.pad)
+                finished = []
+            if not waiting:
+                break
+            began = time.perf_counter()
+            wait([_future(trajs[i]) for i in waiting], return_when=FIRST_COMPLETED if overlap else ALL_COMPLETED)
+            clock.idle += time.perf_counter() - began
+        with torch.inference_mode():
             # The barrier loop looks at its environments only once the whole batch has ended its turns.
             joining: list[int] = []
             if waiting and (overlap or batch is None):
@@ -188,6 +224,7 @@ def generate_turns(module: nn.Module, tokenizer: Tokenizer, prompts: Sequence[Se
                 returned = set(back)
                 waiting = [i for i in waiting if i not in returned]
                 joining = [i for i in back if _settle(trajs[i], _future(trajs[i]).result(), lim, tokenizer, envs)]
+                finished += [i for i in back if trajs[i].ended]
             tokens = no_tokens
             if batch is not None:
                 batch, tokens, leaving = _sample(sampler, table, trajs, batch, lim, tokenizer)
@@ -196,7 +233,26 @@ def generate_turns(module: nn.Module, tokenizer: Tokenizer, prompts: Sequence[Se
                     tr.future = envs.step(tr.key, tokenizer.decode(tr.ids[tr.turn_start :]))
                     waiting.append(i)
             batch = _advance(module, trajs, batch, tokens, joining, lim)
-    return _output(trajs, prompts, n, ids, mask, lim.pad, idle, time.perf_counter() - started)
+        if hand_out and chunk > 0 and len(finished) >= chunk:
+            yield clock.chunk(trajs, finished, n, ids, mask, lim.pad)
+            finished = []
+    if finished or not trajs:
+        yield clock.chunk(trajs, finished, n, ids, mask, lim.pad)
+
+
+class _Clock:
+    """The call's seconds since the last hand-out: wall, and idle (nothing to decode, environments pending);
+    the time the caller holds a chunk is the call's wall, never idle."""
+
+    def __init__(self, started: float):
+        self.mark, self.idle = started, 0.0
+
+    def chunk(self, trajs: list[_Traj], rows: list[int], n: int, ids: Tensor, mask: Tensor, pad: int) -> TurnChunk:
+        now = time.perf_counter()
+        rows = sorted(rows)
+        out = _output([trajs[i] for i in rows], rows, n, ids, mask, pad, self.idle, now - self.mark)
+        self.mark, self.idle = now, 0.0
+        return TurnChunk(rows, out)
 
 
 def _future(tr: _Traj) -> Future[Outcome]:
@@ -367,10 +423,11 @@ def _positions(module: nn.Module) -> int | None:
     return None
 
 
-def _output(trajs: list[_Traj], prompts: Sequence[Sequence[int]], n: int, ids: Tensor, mask: Tensor, pad: int,
-            idle: float, wall: float) -> TurnOutput:
+def _output(trajs: list[_Traj], places: list[int], n: int, ids: Tensor, mask: Tensor, pad: int, idle: float,
+            wall: float) -> TurnOutput:
+    """The TurnOutput of `trajs`, the call's rows `places` (prompt i's sample j is row i * n + j)."""
     rows = len(trajs)
-    width = max(1, max(len(tr.ids) for tr in trajs))
+    width = max(1, max((len(tr.ids) for tr in trajs), default=1))
     resp = torch.full((rows, width), pad, dtype=torch.long)
     resp_mask = torch.zeros((rows, width), dtype=torch.long)
     loss = torch.zeros((rows, width), dtype=torch.long)
@@ -390,10 +447,11 @@ def _output(trajs: list[_Traj], prompts: Sequence[Sequence[int]], n: int, ids: T
     def longs(values: list[int]) -> Tensor:
         return torch.tensor(values, dtype=torch.long)
 
+    index = longs(places)
     return TurnOutput(
-        prompt_ids=ids.cpu().repeat_interleave(n, dim=0), prompt_mask=mask.cpu().repeat_interleave(n, dim=0),
+        prompt_ids=ids.cpu()[index // n], prompt_mask=mask.cpu()[index // n],
         response_ids=resp, response_mask=resp_mask, loss_mask=loss, logprobs=logp, turn_index=turn_index,
-        turn_rewards=rewards, response_lens=resp_mask.sum(1), prompt_index=torch.arange(len(prompts)).repeat_interleave(n),
+        turn_rewards=rewards, response_lens=resp_mask.sum(1), prompt_index=index // n,
         turns=longs([tr.turn for tr in trajs]), calls=longs([tr.calls for tr in trajs]),
         errors=longs([tr.errors for tr in trajs]), timeouts=longs([tr.timeouts for tr in trajs]),
         prefill_tokens=longs([tr.prefill for tr in trajs]), step_seconds=[tr.step_s for tr in trajs],

@@ -9,19 +9,23 @@ The batch contract (issue 26): besides a plain rollout's tensors, `loss_mask` (1
 `turn_index`, `turn_rewards`, `env_return`, `env_turns`, `env_calls`, `env_errors`, `env_timeouts`,
 `prefill_tokens`, `gen_idle_s` and `gen_wall_s` (the call's seconds divided equally among its rows), and the
 meta `response` (actions and observations), `env_step_s` and `env_ended`.
+
+`env_stream` is the fused stage's form (pass fuse-gen-inference, `ModelWorker.generate_stream`): the same
+trajectories as rollout chunks as they finish (`flowrl.engines.turns.stream_turns`), numbered as a stream numbers
+its samples, so a rank runs the forwards over finished trajectories while the others wait on their environments.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Hashable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from flowrl.engines.turns import TurnOutput, generate_turns
+from flowrl.engines.turns import TurnOutput, generate_turns, stream_turns
 from flowrl.envs import EnvSpec, Outcome
 from flowrl.envs.pool import EnvPool
 from flowrl.errors import Diagnostic, ExecutionError
@@ -107,17 +111,46 @@ def env_generate(module: torch.nn.Module, tokenizer: Tokenizer, ids: Sequence[Se
     assert spec is not None
     a = GenerateAttrs.of(attrs)
     total = int(attrs.get("max_total") or 0)
-    # the data rows (the controller's prompt batch carries each under meta "row"): an environment reads its columns
-    rows = ([dict(r) for r in prompts.meta["row"]] if "row" in prompts.meta
-            else [{k: v[i] for k, v in prompts.meta.items()} for i in range(prompts.size)])
     envs = _Watched(pool)
-    out = generate_turns(module, tokenizer, ids, rows, envs, n=a.n, max_tokens=a.max_tokens,
+    out = generate_turns(module, tokenizer, ids, _rows(prompts), envs, n=a.n, max_tokens=a.max_tokens,
                          max_turns=spec.max_turns, max_total=total or None, stop=spec.stop, min_tokens=a.min_tokens,
                          temperature=a.temperature, top_p=a.top_p, seed=step_seed, prompt_slots=slots,
                          overlap=spec.overlap, device=device)
     if pool.failed is not None:
         raise _failure(spec, attrs, envs, prompts, slots)
     return rollout_batch(out, tokenizer, prompts, a.temperature)
+
+
+def env_stream(module: torch.nn.Module, tokenizer: Tokenizer, ids: Sequence[Sequence[int]], prompts: Batch,
+               attrs: Mapping[str, Any], pool: EnvPool, *, step_seed: int, slots: Sequence[int], device: str,
+               first_sample: int = 0) -> Iterator[Batch]:
+    """`env_generate`'s trajectories as rollout chunks as they finish (each handed out before the loop waits on
+    environments with nothing to decode, so the caller's forwards on it fill that wait), with the chunk fields
+    `sample` (numbered from `first_sample`), `group_id` (sample // n) and `pad`. Each chunk's `gen_idle_s` /
+    `gen_wall_s` share the call's seconds since the previous chunk, so their sums over the rollout are the call's,
+    the caller's forwards counted busy."""
+    spec = env_spec_of(attrs)
+    assert spec is not None
+    a = GenerateAttrs.of(attrs)
+    total = int(attrs.get("max_total") or 0)
+    envs = _Watched(pool)
+    for part in stream_turns(module, tokenizer, ids, _rows(prompts), envs, n=a.n, max_tokens=a.max_tokens,
+                             max_turns=spec.max_turns, max_total=total or None, stop=spec.stop,
+                             min_tokens=a.min_tokens, temperature=a.temperature, top_p=a.top_p, seed=step_seed,
+                             prompt_slots=slots, overlap=spec.overlap, device=device):
+        if pool.failed is not None:
+            raise _failure(spec, attrs, envs, prompts, slots)
+        out = rollout_batch(part.out, tokenizer, prompts, a.temperature)
+        sample = first_sample + torch.tensor(part.rows, dtype=torch.long)
+        out.tensors.update(sample=sample, group_id=sample // a.n, pad=torch.full((out.size,), tokenizer.pad_id))
+        yield out
+
+
+def _rows(prompts: Batch) -> list[dict[str, Any]]:
+    """The data rows (the controller's prompt batch carries each under meta "row"): an environment reads them."""
+    if "row" in prompts.meta:
+        return [dict(r) for r in prompts.meta["row"]]
+    return [{k: v[i] for k, v in prompts.meta.items()} for i in range(prompts.size)]
 
 
 def rollout_batch(out: TurnOutput, tokenizer: Tokenizer, prompts: Batch, temperature: float) -> Batch:

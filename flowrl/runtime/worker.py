@@ -38,7 +38,7 @@ from flowrl.runtime.chunks import (
     sampling_of,
     score_chunks,
 )
-from flowrl.runtime.env_rollout import EnvPools, env_generate, env_spec_of
+from flowrl.runtime.env_rollout import EnvPools, env_generate, env_spec_of, env_stream
 from flowrl.runtime.preference import with_last_slot
 from flowrl.runtime.schedule import Turn, interleave, taking_turns
 from flowrl.runtime.transport import pack, unpack
@@ -215,14 +215,12 @@ class ModelWorker:
         loaded, a = self.models[model], GenerateAttrs.of(attrs)
         ids = self._prompt_ids(model, prompts, a.max_tokens)
         spec = env_spec_of(attrs)
-        if spec is not None:  # multi-turn trajectories come back together: one chunk (pass fuse-gen-inference
-            # does not stream them; a backend that migrates a tail finds none), numbered as a stream numbers them
-            out = env_generate(loaded.module, loaded.tokenizer, ids, prompts, attrs, self.envs.get(spec),
-                               step_seed=step_seed, slots=prompt_slots(prompts, first_prompt), device=str(self.device))
-            sample = first_prompt * a.n + torch.arange(out.size)
-            out.tensors.update(sample=sample, group_id=sample // a.n,
-                               pad=torch.full((out.size,), loaded.tokenizer.pad_id))
-            return iter([out])
+        if spec is not None:  # multi-turn: trajectories handed over as they finish (no tail to migrate: rows
+            # waiting on environments hold no decode work), their forwards run while others wait on environments
+            chunks = env_stream(loaded.module, loaded.tokenizer, ids, prompts, attrs, self.envs.get(spec),
+                                step_seed=step_seed, slots=prompt_slots(prompts, first_prompt),
+                                device=str(self.device), first_sample=first_prompt * a.n)
+            return score_chunks(self, chunks, inline)
         stream = generate_stream(loaded.module, loaded.tokenizer, ids, n=a.n, sampling=sampling_of(a),
                                  seed=step_seed, prompt_slots=prompt_slots(prompts, first_prompt),
                                  chunk=chunk_of(a), share_prefix=a.share_prefix, first_sample=first_prompt * a.n,
