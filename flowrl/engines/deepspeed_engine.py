@@ -36,6 +36,7 @@ ZeRO-3's hooks gather the weights). For multi-rank ZeRO-3 use DeepSpeed's own
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import io
 import logging
@@ -273,7 +274,8 @@ def _init_distributed(deepspeed: Any) -> int:
     accelerator = get_accelerator()
     on_cpu = accelerator.device_name() == "cpu"
     backend = "gloo" if on_cpu else accelerator.communication_backend_name()
-    if torch.distributed.is_initialized():
+    joined = torch.distributed.is_initialized()
+    if joined:
         world = torch.distributed.get_world_size()
         backend = str(torch.distributed.get_backend())
         # DeepSpeed reads these even when joining; the group is the truth. LOCAL_RANK picks the CUDA device: a
@@ -293,7 +295,14 @@ def _init_distributed(deepspeed: Any) -> int:
         # enough (one process has nothing to reduce at all), so the op is marked unavailable and never built.
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     deepspeed.init_distributed(dist_backend=backend)
+    if not joined:  # the group is this process's own: torch's NCCL warns at exit about a group left up
+        atexit.register(_destroy_group)
     return world
+
+
+def _destroy_group() -> None:
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 def _free_port() -> int:
