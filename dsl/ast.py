@@ -250,8 +250,20 @@ class EnvDecl(Located):
     span: Span
 
 
+StageItem = UseDecl | StepDecl | RunDecl | PlacementDecl
+
+
+@dataclass(frozen=True)
+class StageDecl(Located):
+    """`stage NAME { use ... | step { } ; run { } ; placement { } }`: one stage of a pipeline, in file order."""
+
+    name: Ident
+    items: tuple[StageItem, ...]
+    span: Span
+
+
 Decl = (FlowDecl | ImportDecl | ModelDecl | RewardDecl | DataDecl | UseDecl | StepDecl | TemplateDecl | RunDecl
-        | PlacementDecl | EnvDecl)
+        | PlacementDecl | EnvDecl | StageDecl)
 
 
 @dataclass(frozen=True)

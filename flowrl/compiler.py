@@ -8,7 +8,9 @@ written); `no_pass` switches defaults off and `with_pass` switches on passes tha
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 
+from flowrl.dsl.stages import Pipeline
 from flowrl.errors import FlowError
 from flowrl.ir.graph import Graph
 
@@ -29,6 +31,24 @@ def compile_text(text: str, path: str = "<string>", overrides: Mapping[str, str]
 
     return optimize(compile_flow(text, path=path, overrides=overrides), passes=passes, no_pass=no_pass,
                     with_pass=with_pass)
+
+
+def compile_any(path: str, overrides: Mapping[str, str] | None = None, *, passes: Sequence[str] | None = None,
+                no_pass: Sequence[str] = (), with_pass: Sequence[str] = ()) -> Graph | Pipeline:
+    """Like `compile_file`; a flow with `stage` blocks gives a Pipeline, the passes run on each stage's graph."""
+    from flowrl.dsl import load_any
+
+    return optimize_any(load_any(path, overrides=overrides), passes=passes, no_pass=no_pass, with_pass=with_pass)
+
+
+def optimize_any(flow: Graph | Pipeline, *, passes: Sequence[str] | None = None, no_pass: Sequence[str] = (),
+                 with_pass: Sequence[str] = ()) -> Graph | Pipeline:
+    """`optimize` a graph, or each stage's graph of a pipeline."""
+    if isinstance(flow, Graph):
+        return optimize(flow, passes=passes, no_pass=no_pass, with_pass=with_pass)
+    stages = tuple(replace(s, graph=optimize(s.graph, passes=passes, no_pass=no_pass, with_pass=with_pass))
+                   for s in flow.stages)
+    return replace(flow, stages=stages)
 
 
 def optimize(graph: Graph, *, passes: Sequence[str] | None = None, no_pass: Sequence[str] = (),
