@@ -16,6 +16,10 @@ chunk while the tail still decodes, and results are put back in sample order, so
 the one the unfused step computes. A reward scored by workers of its own (`reward r = "..." { workers = 4 }` or
 `http(...)`) joins the stage too: each chunk is handed to its workers as it arrives, so a slow reward is scored
 while the tail still decodes (a stage of generation and such rewards alone fuses on any backend).
+
+A multi-turn generate (`env = NAME`, flowrl.engines.turns) fuses with its forwards wherever they are placed,
+colocated ones included: its decode loop hands out finished trajectories whenever every live one waits on its
+environment, and the forwards over them run in that wait instead of after the rollout (issue 26).
 """
 
 from __future__ import annotations
@@ -49,11 +53,6 @@ FLUSH_STEPS = 8
 def why_not_stream(graph: Graph, gen: Node) -> str | None:
     """None when `gen` can stream finished samples downstream, else why it cannot (one per condition)."""
     model = graph.model(str(gen.model))
-    env = gen.attrs.get("env")
-    if isinstance(env, Mapping):
-        # Multi-turn generation (flowrl.engines.turns) returns its trajectories at the end of the call: it does
-        # not hand finished ones over yet, and a trajectory is finished only when its environment says so.
-        return f"generate runs an environment ({env.get('name')}): its trajectories are returned together"
     if gen.attrs.get("max_staleness"):
         # Pass async-rollout: generation runs ahead of training, and the forwards that read it run with the
         # newest weights, steps later.
@@ -62,13 +61,20 @@ def why_not_stream(graph: Graph, gen: Node) -> str | None:
         # Only flowrl's torch generation engine yields samples as they finish.
         return f"{model.name} uses engine {model.engine!r}, which cannot hand samples over as they finish"
     max_tokens = GenerateAttrs.of(gen.attrs).max_tokens
-    if max_tokens < MIN_STREAM_TOKENS:
-        # Every response is done within a handful of steps: no long tail to hide anything behind.
+    if max_tokens < MIN_STREAM_TOKENS and not runs_env(gen):
+        # Every response is done within a handful of steps: no long tail to hide anything behind (a trajectory's
+        # turns, not max_tokens, set how long an env generate runs).
         return f"max_tokens = {max_tokens} < {MIN_STREAM_TOKENS}: samples finish too close together to stream"
     if not forwards_over(graph, gen) and not any(scored_beside(graph, r) for r in rewards_over(graph, gen)):
         # Nothing downstream to run while the tail decodes.
         return "no logprobs/values/score call reads it, nor a reward with workers of its own"
     return None
+
+
+def runs_env(gen: Node) -> bool:
+    """A multi-turn generate (`env = NAME`): its trajectories end at their environments' pace, and its decode
+    loop has nothing to do while every live trajectory waits on its environment (flowrl.engines.turns)."""
+    return isinstance(gen.attrs.get("env"), Mapping)
 
 
 def why_not_fuse(graph: Graph, gen: Node, forward: Node) -> str | None:
@@ -130,10 +136,10 @@ def fuse_gen_inference(graph: Graph) -> tuple[Graph, list[str]]:
         if not fused and not beside:
             notes.append(f"{gen.id}: not fused: no forward over it can run during generation")
             continue
-        if beside and all(f.worker_group == gen.worker_group for f in fused):
+        if beside and all(f.worker_group == gen.worker_group for f in fused) and not runs_env(gen):
             # Only the rewards run beside generation: colocated forwards stay unfused (measured above).
             fused = []
-        elif all(f.worker_group == gen.worker_group for f in fused):
+        elif all(f.worker_group == gen.worker_group for f in fused) and not runs_env(gen):
             # Colocated: every forward would run on the generating ranks, between their decode steps, so nothing
             # runs beside generation; the chunked calls only cost more than whole ones (measured above).
             notes.append(f"{gen.id}: not fused: {', '.join(f.id for f in fused)} run on worker group "
@@ -155,6 +161,12 @@ def fuse_gen_inference(graph: Graph) -> tuple[Graph, list[str]]:
 
 
 def _note(gen: Node, fused: list[Node], beside: list[Node], chunk: int, flush: int) -> str:
+    if runs_env(gen):
+        env = gen.attrs["env"]
+        targets = [f"{f.id} on worker group {f.worker_group}" for f in fused]
+        targets += [f"{r.id} (reward {r.attrs.get('fn')}) on its own workers" for r in beside]
+        return (f"{gen.id}: hands out finished trajectories whenever every live one waits on its environment "
+                f"({env.get('name')}), and at the end; " + ", ".join(targets) + " run on them during those waits")
     elsewhere: dict[str, list[str]] = {}
     for f in fused:
         if f.worker_group != gen.worker_group:

@@ -111,8 +111,9 @@ def assemble(batches: Sequence[Batch], samples: Sequence[torch.Tensor]) -> Batch
 def concat(batches: Sequence[Batch]) -> Batch:
     """Chunk batches as one, in the order given (every tensor kept, 2-D ones padded as `assemble` pads)."""
     pad = int(batches[0]["pad"][0]) if "pad" in batches[0].tensors else 0
-    tensors = {k: _cat([b.tensors[k] for b in batches], left=k.startswith("prompt_"),
-                       fill=pad if k in ("prompt_ids", "response_ids") else 0) for k in batches[0].tensors}
+    fills = {"prompt_ids": pad, "response_ids": pad, "turn_index": -1}  # turn_index: -1 on pads (env rollouts)
+    tensors = {k: _cat([b.tensors[k] for b in batches], left=k.startswith("prompt_"), fill=fills.get(k, 0))
+               for k in batches[0].tensors}
     meta = {k: [x for b in batches for x in b.meta[k]] for k in batches[0].meta}
     return Batch(sum(b.size for b in batches), tensors, meta, batches[0].primary)
 

@@ -5,7 +5,8 @@
 (fuse-train) as one interleaved call on a worker group (`ModelWorker.update_fused`) or as concurrent calls on
 several groups. A stage the backend cannot run fused runs its members one by one, as if unfused: a group that
 cannot stream, or a gen-infer stage whose groups all live in the controller's process (the local backend,
-where "another worker group" is the same process and its chunk forwards would only take turns with decoding).
+where "another worker group" is the same process and its chunk forwards would only take turns with decoding),
+except for an env generate, whose chunk forwards take turns with the environments' waits instead.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 
 from flowrl.ir.graph import Graph, Node
 from flowrl.runtime.batch import Batch, training_batch
+from flowrl.runtime.env_rollout import env_spec_of
 from flowrl.runtime.gen_infer import GenInfer
 from flowrl.runtime.protocol import StreamedStage, WorkerGroup
 from flowrl.runtime.scoring import Pending, Scorer
@@ -101,8 +103,9 @@ def _gen_infer(ctl: StageHost, gen: Node, members: list[Node], values: dict[str,
             metrics["fusion/fallback"] = 1.0
             return None
         return _streamed(ctl, gen, forwards, rewards, streamed, start, values, step, metrics)
+    # An env generate's chunk forwards take turns with environment waits, not with decoding (flowrl.engines.turns).
     if all(ctl.groups[n.worker_group].inline for n in [gen, *forwards]) and \
-            not any(s.overlaps for s in scorers.values()):
+            not any(s.overlaps for s in scorers.values()) and env_spec_of(gen.attrs) is None:
         ctl.decline(gen, "every group of the stage runs inline in the controller's process: chunk forwards would "
                          "only take turns with decoding")
         metrics["fusion/fallback"] = 1.0

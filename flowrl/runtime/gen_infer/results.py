@@ -38,7 +38,7 @@ class Results:
         """Record a chunk, with the prompt fields `generate` gives its rows (by global prompt index)."""
         groups = batch["group_id"].tolist()
         meta = {k: [v[g] for g in groups] for k, v in self.prompts.meta.items()}
-        meta["response"] = batch.meta["response"]
+        meta.update(batch.meta)  # "response", and a rollout's own (env_step_s, env_ended)
         chunk = Batch(batch.size, batch.tensors, meta, batch.primary)
         with self.lock:
             self.chunks.append(chunk)
