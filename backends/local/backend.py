@@ -66,7 +66,10 @@ class LocalBackend(SharedWeights):
     def start(self, graph: Graph, *, seed: int, device: str) -> dict[str, WorkerGroup]:
         groups = in_process_groups(graph, seed=seed, device=device, pool_of=lambda name, world: None,
                                    world_of=lambda ranks: 1)
+        self.groups = list(groups)
         return {g.name: g for g in groups}
 
     def shutdown(self) -> None:
-        pass
+        for g in getattr(self, "groups", []):  # environment pools' processes end with the run, not at GC
+            g.close()
+        self.groups = []

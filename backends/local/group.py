@@ -70,5 +70,9 @@ class InProcessGroup:
         load_group_state(self.workers, state)
 
     def close(self) -> None:
+        """Close what the workers hold beyond their models (environment pools' processes), each worker once (a
+        model placed in several groups is one shared worker on the local backend; closing twice is harmless)."""
+        for worker in {id(w): w for w in self.workers.values()}.values():
+            worker.close()
         if self.pool is not None:
             self.pool.shutdown(wait=True)

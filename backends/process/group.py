@@ -104,6 +104,7 @@ def _serve(conn: Connection, export: Any, rank: int, world: int, port: int, mode
                 _send(conn, ("ok", getattr(worker, method)(*args, **kwargs)))
         except Exception as e:  # the parent re-raises it where the call was made
             _send(conn, ("error", e))
+    worker.close()  # told to stop: its environment pools' processes end now, not when this one exits
 
 
 def _free_port() -> int:

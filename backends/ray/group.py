@@ -40,6 +40,7 @@ log = logging.getLogger("flowrl.ray")
 
 MAX_RESTARTS = 3  # per call: a rank that keeps dying is a bug, not bad luck
 PEER_GRACE_S = 10.0  # after a rank's error, how long to look for a dead peer that caused it
+CLOSE_TIMEOUT_S = 10.0  # shutting down: how long a rank gets to close its environment pools before it is killed
 
 
 class WorkerError(RuntimeError):
@@ -153,6 +154,10 @@ class RayWorkerGroup:
         self.setup()
 
     def kill(self) -> None:
+        try:  # let each rank close its environment pools' processes first (a killed actor cannot)
+            ray.get([a.run.remote("close") for a in self.actors], timeout=CLOSE_TIMEOUT_S)
+        except Exception:  # a rank dead or stuck: killed below all the same
+            pass
         for a in self.actors:
             try:
                 ray.kill(a, no_restart=True)
