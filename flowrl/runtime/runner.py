@@ -23,7 +23,7 @@ from flowrl.data.tables import read_data
 from flowrl.errors import Diagnostic, FlowError
 from flowrl.ir.graph import Graph
 from flowrl.ir.printer import to_json_text, to_text
-from flowrl.runtime import cost, interrupt, report
+from flowrl.runtime import carry, cost, interrupt, report
 from flowrl.runtime.ahead import Ahead, async_node
 from flowrl.runtime.controller import Controller, Span
 from flowrl.runtime.protocol import Backend, WorkerGroup
@@ -71,12 +71,16 @@ def loaders_of(graph: Graph, seed: int) -> dict[str, PromptLoader]:
 
 def run(graph: Graph, *, out_dir: str | Path, backend: Backend, steps: int | None = None,
         seed: int | None = None, resume: bool = False, overwrite: bool = False, device: str | None = None,
-        on_step: Callable[[int, dict[str, Any]], None] | None = None) -> RunResult:
+        on_step: Callable[[int, dict[str, Any]], None] | None = None,
+        init_weights: Mapping[str, Mapping[str, Any]] | None = None) -> RunResult:
     """Train `graph` on `backend` (not started yet; shut down at the end, whatever happens) for `steps` steps
     (default: `run { steps }`) and return the metrics of every step. `flowrl.run` makes the backend by name.
 
     A directory that already holds a run is continued with `resume=True` or replaced with `overwrite=True`;
-    otherwise it is an error, so an earlier run's checkpoints are never mixed up or lost."""
+    otherwise it is an error, so an earlier run's checkpoints are never mixed up or lost.
+
+    `init_weights` (model -> weights, as `runtime.carry` fits them) replace models' initial weights right after the
+    backend starts, before a checkpoint is resumed: a pipeline's stage starts from the stages before it."""
     out = Path(out_dir)
     _claim(out, resume, overwrite)
     settings: dict[str, Any] = dict(graph.run)
@@ -103,6 +107,8 @@ def run(graph: Graph, *, out_dir: str | Path, backend: Backend, steps: int | Non
         groups = be.start(graph, seed=seed, device=dev)
         starting = time.perf_counter() - starting
         pools = cost.pools_of(graph, groups)
+        if init_weights:
+            carry.load_into(groups, init_weights)
         start = 0
         events: list[dict[str, Any]] = []
         ckpt = last_checkpoint(out) if resume else None

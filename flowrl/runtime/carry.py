@@ -1,0 +1,72 @@
+"""Weights carried from one run into another (the stages of a pipeline, `runtime.pipeline`): read a run's final
+weights from its last checkpoint, fit them to a model that is built differently, and load them into started
+worker groups through the WorkerGroup contract alone (`state_dict` / `load_state_dict`), so every backend does it.
+
+Only weights travel: a model's optimizer state is its own run's (an optimizer restarts with each stage).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+
+from flowrl.errors import Diagnostic, FlowError
+from flowrl.runtime.protocol import WorkerGroup
+
+Weights = Mapping[str, torch.Tensor]
+BACKBONE = "backbone."  # flowrl.models.build.ValueModel keeps its base transformer under this name
+
+
+def checkpoint_weights(path: Path) -> dict[str, dict[str, torch.Tensor]]:
+    """Every model's weights in a checkpoint (`runner._save_checkpoint`), by model name."""
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for group in state["groups"].values():
+        for model, s in group.items():
+            out.setdefault(model, {k: v.detach().cpu() for k, v in s["module"].items()})
+    return out
+
+
+def fit_weights(own: Weights, given: Weights, model: str = "model") -> dict[str, torch.Tensor]:
+    """`given` laid out as `own` (a model's current weights): the same keys load as they are; a causal LM's weights
+    given to a value model (critic, reward model) fill its backbone and leave its value head, as `copy_backbone`
+    does at step 0; a value model's given to another, its backbone too."""
+    if set(own) == set(given):
+        return {k: given[k] for k in own}
+    backbone = [k for k in own if k.startswith(BACKBONE)]
+    if not backbone:
+        raise FlowError(Diagnostic(f"cannot start `{model}` from the given weights: its layout differs "
+                                   f"({len(own)} tensors, {len(given)} given)",
+                                   hint="a policy or reference starts from a policy's weights; a critic or "
+                                        "reward model from either"))
+    src = {k.removeprefix(BACKBONE): v for k, v in given.items() if k.startswith(BACKBONE)}
+    if not src:  # a causal LM: its base transformer is under one prefix (`transformer.` for gpt2, `model.` llama)
+        names = [k.removeprefix(BACKBONE) for k in backbone]
+        prefix = next((p for p in {k.split(".", 1)[0] for k in given}
+                       if all(f"{p}.{n}" in given for n in names)), None)
+        if prefix is None:
+            raise FlowError(Diagnostic(f"cannot start `{model}` from the given weights: no base transformer in "
+                                       "them matches its backbone"))
+        src = {n: given[f"{prefix}.{n}"] for n in names}
+    out = dict(own)
+    for k in backbone:
+        name = k.removeprefix(BACKBONE)
+        if name not in src or src[name].shape != own[k].shape:
+            raise FlowError(Diagnostic(f"cannot start `{model}` from the given weights: `{name}` is missing or "
+                                       "shaped differently"))
+        out[k] = src[name].to(dtype=own[k].dtype)
+    return out
+
+
+def load_into(groups: Mapping[str, WorkerGroup], weights: Mapping[str, Weights]) -> None:
+    """Load each named model's weights into every started group holding it (its optimizer state stays fresh)."""
+    for group in groups.values():
+        state = group.state_dict()
+        mine = {m: w for m, w in weights.items() if m in state}
+        if not mine:
+            continue
+        for model, w in mine.items():
+            state[model] = {**state[model], "module": fit_weights(state[model]["module"], w, model)}
+        group.load_state_dict({m: state[m] for m in mine})
