@@ -24,7 +24,8 @@ from .values import LiteralB, to_value
 
 # How lowering reads a block (dsl.lower: its entries by key, checked, unknown keys reported) and fills it (each
 # key's checked value or its default).
-BlockOf = Callable[[Sequence[ast.Entry], Mapping[str, tuple[str, Value]], str], dict[str, Entry]]
+# (the block's entries, its `--set` override entries, keys, what): the entries by key, overrides winning
+BlockOf = Callable[[Sequence[ast.Entry], Sequence[ast.Entry], Mapping[str, tuple[str, Value]], str], dict[str, Entry]]
 Filled = Callable[[dict[str, Entry], Mapping[str, tuple[str, Value]], str], dict[str, Value]]
 
 
@@ -127,32 +128,36 @@ def attach_envs(rep: Reporter, src: Source, nodes: Sequence[Node], envs: Mapping
 
 
 def lower_envs(rep: Reporter, src: Source, decls: Sequence[ast.EnvDecl], imports: Sequence[str], folder: str,
-               block_of: BlockOf, filled: Filled) -> dict[str, EnvInfo]:
+               block_of: BlockOf, filled: Filled, overrides: Mapping[str, Sequence[ast.Entry]] | None = None,
+               overrides_src: Source | None = None) -> dict[str, EnvInfo]:
     """Each `env`/`tool` declaration's spec (keys checked against ENV_KEYS / TOOL_KEYS, their limits and
     choices; an env's other keys are its class's options); the class or function is imported by the checks
-    (`check_env_class`), with the flow's folder."""
+    (`check_env_class`), with the flow's folder. `overrides`: `--set NAME.KEY=VALUE` entries by env name, written
+    in `overrides_src` (they win over the block's own, class options included)."""
     out: dict[str, EnvInfo] = {}
     for d in decls:
         if d.name.name in out:
             continue
         kind = d.kind.name
         keys = TOOL_KEYS if kind == "tool" else ENV_KEYS
+        extra = list((overrides or {}).get(d.name.name, ()))
         # an env's other keys go to its class's constructor (EnvSpec.options) when it takes them; any other
         # unknown key is reported with its did-you-mean, as in every other block
         takes = env_class_keywords(d.name.name, str(d.target.value), folder, imports) \
-            if kind == "env" and any(e.key.name not in keys for e in d.entries) else set()
+            if kind == "env" and any(e.key.name not in keys for e in [*d.entries, *extra]) else set()
         own = [e for e in d.entries if e.key.name in keys]
         before = len(rep.diagnostics)
         cls = str(d.target.value).rsplit(".", 1)[-1]
-        for e in d.entries:
+        written = [(e, src) for e in d.entries] + [(e, overrides_src or src) for e in extra]
+        for e, at in written:
             if e.key.name not in keys and takes is not None and e.key.name not in takes:
                 also = "" if kind == "tool" else \
                     f"; {cls} takes {', '.join(sorted(takes))}" if takes else f"; {cls} takes no keyword"
-                rep.error(src, f"unknown {kind} key `{e.key.name}`", e.key,
+                rep.error(at, f"unknown {kind} key `{e.key.name}`", e.key,
                                hint=did_you_mean(e.key.name, [*keys, *takes]) or f"{kind} keys: {', '.join(keys)}{also}")
-        options = {e.key.name: to_value(e.value) for e in d.entries
+        options = {e.key.name: to_value(e.value) for e, _ in written
                    if e.key.name not in keys and (takes is None or e.key.name in takes)}
-        block = block_of(own, keys, kind)
+        block = block_of(own, [e for e in extra if e.key.name in keys], keys, kind)
         values = filled(block, keys, kind)
         out[d.name.name] = env_spec(rep, src, d, block, values, folder=folder, imports=imports,
                                     options=options)

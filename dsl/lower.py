@@ -97,7 +97,7 @@ class _Lowering:
         iterations = [d for d in self.module.decls if isinstance(d, (ast.UseDecl, ast.StepDecl))]
         ovr = parse_overrides(self.overrides, [d.name.name for d in models_ast], [d.name.name for d in data_ast],
                               any(isinstance(d, ast.UseDecl) for d in iterations), self.rep,
-                              rewards=[d.name.name for d in rewards_ast])
+                              rewards=[d.name.name for d in rewards_ast], envs=[d.name.name for d in envs_ast])
         with _importable(self.folder):
             imports = self._imports()
             self._ovr = ovr
@@ -205,8 +205,9 @@ class _Lowering:
 
     def _envs(self, decls: Sequence[ast.EnvDecl], imports: Sequence[str]) -> dict[str, EnvInfo]:
         return lower_envs(self.rep, self.src, decls, imports, self.folder,
-                          lambda entries, keys, what: self._block(entries, (), self._ovr, keys, what),
-                          lambda block, keys, what: self._filled(block, keys, what))
+                          lambda entries, extra, keys, what: self._block(entries, extra, self._ovr, keys, what),
+                          lambda block, keys, what: self._filled(block, keys, what),
+                          overrides=self._ovr.envs, overrides_src=self._ovr.src)
 
     def _remote_reward(self, d: ast.RewardDecl, extra: Sequence[ast.Entry]) -> RewardDecl:
         """`reward NAME = http("url") { ... }`: a scoring service; every key gets its value or default."""

@@ -1,6 +1,6 @@
 """`--set KEY=VALUE` overrides, parsed into entries that lowering merges into the flow before checking.
 
-Keys are `MODEL.KEY`, `DATA.KEY`, `REWARD.KEY`, `run.KEY` or `use.PARAM`; values are flow literal text (`8`, `1e-4`,
+Keys are `MODEL.KEY`, `DATA.KEY`, `REWARD.KEY`, `ENV.KEY` (an `env` or `tool`), `run.KEY` or `use.PARAM`; values are flow literal text (`8`, `1e-4`,
 `true`, `"s"`, `2..16`, a name). The overrides form their own source, `<overrides>`, one `KEY=VALUE`
 line each, so a bad value is reported with a caret like any other error.
 """
@@ -31,10 +31,11 @@ class Overrides:
     rewards: dict[str, list[ast.Entry]] = field(default_factory=dict)
     run: list[ast.Entry] = field(default_factory=list)
     use: list[ast.Arg] = field(default_factory=list)
+    envs: dict[str, list[ast.Entry]] = field(default_factory=dict)  # `env`/`tool` blocks, by name
 
 
 def parse_overrides(overrides: Mapping[str, str] | None, models: list[str], data: list[str], has_use: bool,
-                    rep: Reporter, rewards: Sequence[str] = ()) -> Overrides:
+                    rep: Reporter, rewards: Sequence[str] = (), envs: Sequence[str] = ()) -> Overrides:
     # one line per override in the `<overrides>` source (a value is a single line by nature)
     items = [(k.replace("\n", " "), v.replace("\n", " ")) for k, v in (overrides or {}).items()]
     lines = [f"{k}={v}" for k, v in items]
@@ -45,7 +46,7 @@ def parse_overrides(overrides: Mapping[str, str] | None, models: list[str], data
         key_span = ast.Span(line, 1, line, len(key) + 1)
         m = _KEY.match(key)
         if m is None:
-            rep.error(src, f"override `{key}` must be MODEL.KEY, DATA.KEY, REWARD.KEY, run.KEY or use.PARAM", key_span)
+            rep.error(src, f"override `{key}` must be MODEL.KEY, DATA.KEY, REWARD.KEY, ENV.KEY, run.KEY or use.PARAM", key_span)
             continue
         target, name = m.group(1), m.group(2)
         name_ident = ast.Ident(name, ast.Span(line, len(target) + 2, line, len(key) + 1))
@@ -67,11 +68,13 @@ def parse_overrides(overrides: Mapping[str, str] | None, models: list[str], data
             out.data.setdefault(target, []).append(ast.Entry(name_ident, value, span))
         elif target in rewards:
             out.rewards.setdefault(target, []).append(ast.Entry(name_ident, value, span))
+        elif target in envs:
+            out.envs.setdefault(target, []).append(ast.Entry(name_ident, value, span))
         else:
-            hint = did_you_mean(target, [*models, *data, *rewards, "run", "use"]) or (
+            hint = did_you_mean(target, [*models, *data, *rewards, *envs, "run", "use"]) or (
                 f"models: {', '.join(models) or 'none'}; data: {', '.join(data) or 'none'}; "
-                f"rewards: {', '.join(rewards) or 'none'}; or `run`, `use`")
-            rep.error(src, f"override `{key}`: no model, data or reward named `{target}`",
+                f"rewards: {', '.join(rewards) or 'none'}; envs: {', '.join(envs) or 'none'}; or `run`, `use`")
+            rep.error(src, f"override `{key}`: no model, data, reward or env named `{target}`",
                       ast.Span(line, 1, line, len(target) + 1), hint=hint)
     return out
 
