@@ -3,7 +3,9 @@
 sum_pairs.jsonl: preference pairs over single-digit sums `a+b=` with a hidden rule deciding which answer a person
 preferred — the correct sum is `chosen`, a wrong one `rejected` (a near miss half the time, any other number
 0-18 otherwise) — for DPO and reward-model training. sum_demos.jsonl: demonstrations (`prompt`, `response`: the
-correct sum) for supervised fine-tuning. Every row also carries `answer`, so `flowrl.rewards.arith_exact` judges
+correct sum) for supervised fine-tuning; sum_demos_few.jsonl: the demonstrations of the sums whose first operand is
+0-4 only (the pipeline example's SFT stage: demonstrations are scarce, preference labels cover every sum); sums.jsonl:
+the 100 prompts with their answers (the pipeline's RL stage and the judge). Every row also carries `answer`, so `flowrl.rewards.arith_exact` judges
 a policy's greedy answers by the same rule. The last 20 pairs are held out (`held_out: true`) for accuracy.
 """
 
@@ -50,3 +52,5 @@ def write(path: Path, rows: list[dict[str, Any]]) -> None:
 if __name__ == "__main__":
     write(HERE / "sum_pairs.jsonl", pairs())
     write(HERE / "sum_demos.jsonl", demos())
+    write(HERE / "sum_demos_few.jsonl", [r for r in demos() if int(str(r["prompt"])[0]) < 5])
+    write(HERE / "sums.jsonl", [{"prompt": r["prompt"], "answer": r["answer"]} for r in demos()])
