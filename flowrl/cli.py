@@ -23,6 +23,7 @@ from flowrl.backends.sim import commands as sim_commands
 from flowrl.errors import Diagnostic, FlowError
 
 if TYPE_CHECKING:
+    from flowrl.dsl.stages import Pipeline
     from flowrl.ir.graph import Graph
 
 
@@ -78,7 +79,8 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--seed", type=int, default=None)
     c.add_argument("--device", default=None, help="auto | cpu | cuda (default: run { device })")
     c.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override MODEL.KEY, DATA.KEY, REWARD.KEY, run.KEY or use.PARAM")
+                   help="override MODEL.KEY, DATA.KEY, REWARD.KEY, run.KEY or use.PARAM; in a flow with stages "
+                        "also stage.NAME.KEY (a run key of one stage) or stage.NAME.use.PARAM")
     c.add_argument("--out", default=None, metavar="DIR", help="run directory (default runs/<flow>)")
     c.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --out")
     c.add_argument("--overwrite", action="store_true", help="replace a run already in --out")
@@ -87,6 +89,8 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--pass", dest="with_pass", action="append", default=[], metavar="NAME",
                    help="switch on a pass that is off by default (score-tail)")
     c.add_argument("--quiet", action="store_true", help="no progress bar")
+    c.add_argument("--stage", default=None, metavar="NAME",
+                   help="a flow with stages: run only this one, from the earlier stages' models saved in --out")
 
     c = verb("viz", "Draw a flow's graph with graphviz (.svg, .png, .pdf or .dot).",
              "flowrl viz examples/ppo_arith.flow -o ppo.svg --stage placed")
@@ -101,6 +105,8 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("run_dir", metavar="RUN_DIR")
     c.add_argument("-o", "--output", required=True, metavar="OUT.png")
     c.add_argument("--steps", type=int, default=3, help="how many of the last steps to draw")
+    c.add_argument("--stage", default=None, metavar="NAME",
+                   help="a pipeline's run: draw this stage's (default: every stage's, to OUT-NAME.png each)")
 
     c = verb("fuse-schedule", "Schedule two models' pipelined training side by side on the same nodes (RLHFuse "
              "intra-stage fusion): greedy, then simulated annealing for makespan, then for peak memory.",
@@ -117,13 +123,14 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def compile_args(args: argparse.Namespace) -> Graph:
-    """The graph `flowrl compile` / `flowrl run` build from their FILE, --set and pass options."""
-    from flowrl.compiler import compile_file, parse_sets
+def compile_args(args: argparse.Namespace, extra: dict[str, str] | None = None) -> Graph | Pipeline:
+    """The graph (a pipeline, for a flow with stages) `flowrl compile` / `flowrl run` build from their FILE, --set
+    and pass options; `extra` overrides on top of --set."""
+    from flowrl.compiler import compile_any, parse_sets
 
     passes = [p for p in args.passes.split(",") if p] if args.passes is not None else None
-    return compile_file(args.file, parse_sets(args.set), passes=passes, no_pass=args.no_pass,
-                        with_pass=args.with_pass)
+    return compile_any(args.file, {**parse_sets(args.set), **(extra or {})}, passes=passes, no_pass=args.no_pass,
+                       with_pass=args.with_pass)
 
 
 def _explain(graph: Graph) -> str:
@@ -138,17 +145,22 @@ def _explain(graph: Graph) -> str:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
+    from flowrl import cli_stages
     from flowrl.compiler import optimize
-    from flowrl.dsl import load
+    from flowrl.dsl import load_any
+    from flowrl.dsl.stages import Pipeline
 
     failed = 0
     for f in args.files:
         try:
-            graph = load(f)
+            graph = load_any(f)
         except FlowError as e:
             print(e.render(), file=sys.stderr)
             failed += 1
         else:
+            if isinstance(graph, Pipeline):
+                cli_stages.check(f, graph, _settings_not_applied)
+                continue
             print(f"{f}: ok")
             for w in graph.warnings:
                 print(w.render(), file=sys.stderr)
@@ -213,9 +225,14 @@ def _settings_not_applied(graph: Graph) -> list[str]:
 
 
 def cmd_compile(args: argparse.Namespace) -> int:
+    from flowrl import cli_stages
+    from flowrl.dsl.stages import Pipeline
     from flowrl.ir import to_json_text, to_text
 
     graph = compile_args(args)
+    if isinstance(graph, Pipeline):
+        print(cli_stages.compile_text(graph, args.json, _explain if args.explain else None))
+        return 0
     print(to_json_text(graph) if args.json else to_text(graph), end="\n" if args.json else "")
     if args.explain:
         print(_explain(graph), file=sys.stderr if args.json else sys.stdout)
@@ -236,7 +253,8 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     import flowrl
-    from flowrl import backends
+    from flowrl import backends, cli_stages
+    from flowrl.dsl.stages import Pipeline
     from flowrl.runtime import interrupt
     from flowrl.runtime.progress import Progress
 
@@ -245,7 +263,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     for flag, value, least in (("--steps", args.steps, 1), ("--seed", args.seed, 0)):
         if value is not None and value < least:  # the run block's own limits (flowrl.ir.signatures.KEY_LIMITS)
             raise FlowError(Diagnostic(f"{flag} must be at least {least}, got {value}"))
+
     graph = compile_args(args)
+    if isinstance(graph, Pipeline) and args.steps is not None:  # every stage's steps, as --set run.steps would
+        graph = compile_args(args, {"run.steps": str(args.steps)})
     out = Path(args.out or Path("runs") / graph.flow)
     args.crash_dir = out  # where a flowrl bug's crash log goes (main), now that the run has a directory
     if args.device is not None:
@@ -254,17 +275,24 @@ def cmd_run(args: argparse.Namespace) -> int:
         problem = device_problem(args.device)
         if problem is not None:
             raise FlowError(Diagnostic(f"--device: {problem[0]}", hint="--device takes auto, cpu, cuda or cuda:N"))
-    for w in [*graph.warnings, *_backend_warnings(graph, args.backend)]:  # before the first step
-        print(w.render(), file=sys.stderr)
-    total = args.steps if args.steps is not None else int(str(graph.run.get("steps", 100)))
     takes = backends.entries()[args.backend].options
     if args.address is not None and "address" not in takes:
         raise FlowError(Diagnostic(f"--address is for a backend on a cluster; the {args.backend} backend runs here",
                                    hint="use --backend ray --address HOST:PORT"))
-    offered = {"address": args.address, "log_dir": str(out / args.backend)}
-    options = {k: v for k, v in offered.items() if k in takes}
+
+    def options(where: Path) -> dict[str, Any]:
+        offered = {"address": args.address, "log_dir": str(where / args.backend)}
+        return {k: v for k, v in offered.items() if k in takes}
+
+    if isinstance(graph, Pipeline):  # a backend per stage, each logging under its stage's directory
+        return cli_stages.run(args, graph, out, lambda g: _backend_warnings(g, args.backend), options)
+    if args.stage is not None:
+        raise FlowError(Diagnostic("--stage runs one stage of a flow with `stage` blocks; this flow has none"))
+    for w in [*graph.warnings, *_backend_warnings(graph, args.backend)]:  # before the first step
+        print(w.render(), file=sys.stderr)
+    total = args.steps if args.steps is not None else int(str(graph.run.get("steps", 100)))
     with Progress(total, enabled=not args.quiet, every=int(str(graph.run.get("log_every", 10) or 10))) as bar:
-        result = flowrl.run(graph, out_dir=out, backend=args.backend, backend_options=options, steps=args.steps,
+        result = flowrl.run(graph, out_dir=out, backend=args.backend, backend_options=options(out), steps=args.steps,
                             seed=args.seed, resume=args.resume, overwrite=args.overwrite, device=args.device,
                             on_step=bar.update)
     last = result.metrics[-5:]
@@ -291,6 +319,15 @@ def cmd_viz(args: argparse.Namespace) -> int:
 def cmd_timeline(args: argparse.Namespace) -> int:
     from flowrl.viz.timeline import timeline
 
+    if (Path(args.run_dir) / "pipeline.json").exists():
+        from flowrl import cli_stages
+
+        for path in cli_stages.timeline(Path(args.run_dir), args.output, args.stage, args.steps):
+            print(f"wrote {path}")
+        return 0
+    if args.stage is not None:
+        raise FlowError(Diagnostic(f"--stage picks a stage of a pipeline's run; {args.run_dir} holds one run "
+                                   "(no pipeline.json)"))
     timeline(args.run_dir, args.output, last_steps=args.steps)
     print(f"wrote {args.output}")
     return 0

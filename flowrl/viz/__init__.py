@@ -74,13 +74,22 @@ def render_graph(graph: Graph, output: str | Path, stage: str = "optimized",
 
 def render(path: str, output: str | Path, stage: str = "optimized", timings: str | Path | None = None,
            sets: Sequence[str] = ()) -> Path:
-    """Compile the flow at `path` (no passes for the parsed stage) and draw it into OUT."""
+    """Compile the flow at `path` (no passes for the parsed stage) and draw it into OUT; a flow with `stage`
+    blocks is drawn as its stages left to right, each with its graph (`flowrl.viz.stages`)."""
     require_dot(output_format(output))  # before compiling: a wrong -o fails fast
     _stage(stage)
-    from flowrl.compiler import compile_file, parse_sets
+    from flowrl.compiler import compile_any, parse_sets
+    from flowrl.dsl.stages import Pipeline
+    from flowrl.viz.stages import draw_pipeline
 
-    graph = compile_file(path, parse_sets(sets), passes=[] if stage == "parsed" else None)
-    return render_graph(graph, output, stage, timings)
+    flow = compile_any(path, parse_sets(sets), passes=[] if stage == "parsed" else None)
+    if isinstance(flow, Pipeline):
+        if timings is not None:
+            raise FlowError(Diagnostic("--timings colours one graph: this flow has stages",
+                                       hint="stage graphs are drawn without timings; a stage's run is in "
+                                            "RUN_DIR/stages/NAME"))
+        return write(draw_pipeline(flow, stage), output)
+    return render_graph(flow, output, stage, timings)
 
 
 __all__ = ["FORMATS", "STAGES", "draw", "render", "render_graph", "write"]

@@ -23,18 +23,20 @@ CONTROLLER_NODE = "[controller]"  # not an identifier, so no flow node can take 
 MODEL_OPS = ("generate", "logprobs", "values", "score", "update")
 
 
-def draw(g: Graph, stage: str = "optimized", timings: Timings | None = None) -> graphviz.Digraph:
+def draw(g: Graph, stage: str = "optimized", timings: Timings | None = None,
+         into: graphviz.Digraph | None = None) -> graphviz.Digraph:
+    """`g` drawn at `stage`, into a new Digraph or `into` (a pipeline stage's cluster, viz/stages.py)."""
     if stage == "parsed":
-        return parsed(g, timings)
+        return parsed(g, timings, into)
     if stage == "optimized":
-        return optimized(g, timings)
+        return optimized(g, timings, into)
     if stage == "placed":
-        return placed(g, timings)
+        return placed(g, timings, into)
     raise ValueError(f"unknown stage {stage!r} (stages: {', '.join(STAGES)})")
 
 
-def parsed(g: Graph, timings: Timings | None = None) -> graphviz.Digraph:
-    dot = _digraph(g)
+def parsed(g: Graph, timings: Timings | None = None, into: graphviz.Digraph | None = None) -> graphviz.Digraph:
+    dot = _digraph(g) if into is None else into
     for n in g.nodes:
         _node(dot, g, n, timings, passes=False)
     _data_edges(dot, g)
@@ -42,16 +44,16 @@ def parsed(g: Graph, timings: Timings | None = None) -> graphviz.Digraph:
     return dot
 
 
-def optimized(g: Graph, timings: Timings | None = None) -> graphviz.Digraph:
-    dot = _digraph(g)
+def optimized(g: Graph, timings: Timings | None = None, into: graphviz.Digraph | None = None) -> graphviz.Digraph:
+    dot = _digraph(g) if into is None else into
     _nodes(dot, g, g.nodes, _fusion_groups(g.nodes), timings)
     _data_edges(dot, g)
     _pass_legend(dot, g, timings)
     return dot
 
 
-def placed(g: Graph, timings: Timings | None = None) -> graphviz.Digraph:
-    dot = _digraph(g)
+def placed(g: Graph, timings: Timings | None = None, into: graphviz.Digraph | None = None) -> graphviz.Digraph:
+    dot = _digraph(g) if into is None else into
     fused = _fusion_groups(g.nodes)
     groups = {w.name: w for w in g.worker_groups}
     with dot.subgraph(name="cluster_controller") as c:

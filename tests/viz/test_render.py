@@ -25,14 +25,14 @@ def no_dot(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture
 def compiled(monkeypatch: pytest.MonkeyPatch, graphs: Any) -> list[dict[str, Any]]:
-    """Stand in for the front end: `compile_file` returns the hand-built GRPO graph and records its calls."""
+    """Stand in for the front end: `compile_any` returns the hand-built GRPO graph and records its calls."""
     calls: list[dict[str, Any]] = []
 
     def fake(path: str, overrides: Any = None, *, passes: Any = None, no_pass: Any = (), with_pass: Any = ()) -> Graph:
         calls.append({"path": path, "sets": dict(overrides or {}), "passes": passes})
         return graphs.optimized(graphs.grpo()) if passes is None else graphs.grpo()
 
-    monkeypatch.setattr(flowrl.compiler, "compile_file", fake)
+    monkeypatch.setattr(flowrl.compiler, "compile_any", fake)
     return calls
 
 
