@@ -121,13 +121,13 @@ def _stages(module: ast.Module, src: Source, rep: Reporter) -> list[ast.StageDec
         if not iterations:
             rep.error(src, f"stage `{name}` has no `use` or `step`", s.name,
                       hint="add `use TEMPLATE(...)` or a `step { ... }` block inside its `{ }`")
-        for extra in iterations[1:]:
-            rep.error(src, "a stage has exactly one `use` or `step`", extra,
+        for again in iterations[1:]:
+            rep.error(src, "a stage has exactly one `use` or `step`", again,
                       hint=f"the first is on line {iterations[0].line}; put the other in a stage of its own")
         for kind, word in ((ast.RunDecl, "run"), (ast.PlacementDecl, "placement")):
-            blocks = [i for i in s.items if isinstance(i, kind)]
-            for extra in blocks[1:]:
-                rep.error(src, f"a stage has at most one `{word}` block", extra,
+            blocks: list[ast.StageItem] = [i for i in s.items if isinstance(i, kind)]
+            for more in blocks[1:]:
+                rep.error(src, f"a stage has at most one `{word}` block", more,
                           hint=f"merge it into the one on line {blocks[0].line}")
     return list(first.values())
 

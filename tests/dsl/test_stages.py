@@ -205,3 +205,33 @@ def test_a_reward_model_trained_in_an_earlier_stage_may_score(tmp_path: Path) ->
     text = rm_flow("actor", RM_UPDATE).replace("run {", 'data pairs = jsonl("pairs.jsonl") { batch = 4 }\nrun {')
     pipe = compile_any(flow(tmp_path, text))
     assert isinstance(pipe, Pipeline) and pipe.names == ("first", "second")
+
+
+def test_a_stage_places_with_its_own_block_or_the_files_less_the_models_it_leaves_out(tmp_path: Path) -> None:
+    text = TWO.replace("run { steps = 4, seed = 3 }", """run { steps = 4, seed = 3 }
+placement {
+    pool gen { gpus = 0 }
+    pool train { gpus = 0 }
+    actor.generate -> gen
+    actor.update, ref, critic -> train
+}""").replace("    use ppo(reward = correct, n = 4, max_tokens = 3)\n", """    use ppo(reward = correct, n = 4, max_tokens = 3)
+    placement { pool all { gpus = 0 }
+        actor, ref, critic -> all }
+""")
+    warm, ppo = compile_any(flow(tmp_path, text)).stages  # type: ignore[union-attr]
+    assert [(w.name, w.models) for w in warm.graph.worker_groups] == [("gen", ("actor",)),
+                                                                      ("train", ("actor", "ref"))]  # no critic
+    assert [(w.name, w.models) for w in ppo.graph.worker_groups] == [("all", ("actor", "ref", "critic"))]
+
+
+def test_at_most_one_run_block_in_a_stage_and_in_the_file(tmp_path: Path) -> None:
+    text = TWO.replace("run { steps = 2 } }", "run { steps = 2 }\n  run { seed = 1 } }") + "run { seed = 2 }\n"
+    path = flow(tmp_path, text)
+    assert errors(path) == f"""{path}:9:3: error: a stage has at most one `run` block
+      run {{ seed = 1 }} }}
+      ^^^^^^^^^^^^^^^^
+hint: merge it into the one on line 8
+{path}:13:1: error: a flow has at most one `run` block
+    run {{ seed = 2 }}
+    ^^^^^^^^^^^^^^^^
+hint: merge the two; a stage's own settings go in its `run {{ }}`"""
