@@ -25,9 +25,9 @@ scores) run in the time the loop would otherwise spend waiting; that time is bus
 from __future__ import annotations
 
 import time
-from collections.abc import Hashable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ALL_COMPLETED, FIRST_COMPLETED, Future, wait
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -36,50 +36,25 @@ from torch import Tensor, nn
 from flowrl.engines.generation import check_sampling_args, left_pad_prompts, prefill_prompts
 from flowrl.engines.sampling import MASK32, Sampler, mix32, row_keys, sampling_seed, slots_of
 from flowrl.engines.turn_cache import RowKV, pack, packed_rows, row_length, unpack
+from flowrl.engines.turn_state import (
+    Parked,
+    Suspended,
+    Traj,
+    TurnChunk,
+    TurnOutput,
+    park_row,
+    resumed,
+    turn_output,
+)
 from flowrl.envs.protocol import Envs, Outcome
 from flowrl.models.build import cache_kw
 from flowrl.models.tokenizer import Tokenizer
 
-__all__ = ["ENDED", "TurnChunk", "TurnOutput", "generate_turns", "stream_turns", "turn_keys"]
+__all__ = ["ENDED", "Parked", "Suspended", "TurnChunk", "TurnOutput", "generate_turns", "resume_turns", "stream_turns",
+           "turn_keys"]
 
 ENDED = ("done", "max_turns", "eos", "length", "error")
 _TURN_SALTS = (0x27D4EB2F, 0x165667B1)
-
-
-@dataclass(frozen=True)
-class TurnOutput:
-    """Trajectories: the n samples of prompt 0 first, then prompt 1, ...; N = B * n rows, tensors on CPU.
-    A response is [reset observation][action 0][observation 0][action 1]..."""
-
-    prompt_ids: Tensor  # (N, P) left-padded
-    prompt_mask: Tensor  # (N, P)
-    response_ids: Tensor  # (N, T) right-padded
-    response_mask: Tensor  # (N, T) 1 on every real token, actions and observations
-    loss_mask: Tensor  # (N, T) 1 on generated tokens only
-    logprobs: Tensor  # (N, T) sampling log-probs; 0 on observations and pads
-    turn_index: Tensor  # (N, T) long: turn k on its action and the observation after it (reset obs: 0); -1 pads
-    turn_rewards: Tensor  # (N, T) float: turn k's reward at its last action token
-    response_lens: Tensor  # (N,)
-    prompt_index: Tensor  # (N,)
-    turns: Tensor  # (N,) long: actions taken
-    calls: Tensor  # (N,) long: steps answered with done False and no error
-    errors: Tensor  # (N,) long: reset and step outcomes with an error
-    timeouts: Tensor  # (N,) long
-    prefill_tokens: Tensor  # (N,) long: prompt + observation tokens
-    step_seconds: list[list[float]]  # per trajectory: each environment call's Outcome.seconds (reset first)
-    ended: list[str]  # one of ENDED per trajectory
-    idle_s: float  # seconds with nothing to decode while environments were pending
-    wall_s: float  # seconds of the whole call
-
-
-@dataclass(frozen=True)
-class TurnChunk:
-    """Trajectories `stream_turns` hands out together: `rows`, their places in the call (prompt i's sample j is
-    row i * n + j), ascending; `out` their TurnOutput (its `prompt_index` the call's; `idle_s` and `wall_s` the
-    call's seconds since the previous chunk, so the chunks' sums are the call's)."""
-
-    rows: list[int]
-    out: TurnOutput
 
 
 def turn_keys(keys: Tensor, turns: Tensor | int) -> Tensor:
@@ -88,33 +63,6 @@ def turn_keys(keys: Tensor, turns: Tensor | int) -> Tensor:
     t = torch.as_tensor(turns, dtype=torch.long, device=keys.device).expand(keys.shape[0])
     words = [mix32(mix32((t & MASK32) ^ salt) ^ keys[:, w]) for w, salt in enumerate(_TURN_SALTS)]
     return torch.stack(words, dim=1)
-
-
-@dataclass
-class _Traj:
-    """One trajectory's state: its tokens so far and where it is (decoding, waiting on its env, ended)."""
-
-    key: Hashable
-    cap: int  # most response tokens (max_total)
-    prefill: int  # prompt tokens prefilled
-    ids: list[int] = field(default_factory=list)
-    gen: list[int] = field(default_factory=list)  # 1 on sampled tokens
-    logp: list[float] = field(default_factory=list)
-    turn_of: list[int] = field(default_factory=list)
-    reward: dict[int, float] = field(default_factory=dict)  # response index -> turn reward
-    kv: RowKV | None = None  # kept cache while out of the batch
-    logits: Tensor | None = None  # (V,) next-token scores, when known out of the batch
-    feed: list[int] = field(default_factory=list)  # tokens to prefill before the next draw
-    turn: int = 0  # actions taken
-    t: int = 0  # tokens of the current turn
-    turn_start: int = 0
-    turn_end: str = ""  # why the last turn ended: "eos" | "stop" | "max_tokens" | "length"
-    future: Future[Outcome] | None = None
-    calls: int = 0
-    errors: int = 0
-    timeouts: int = 0
-    step_s: list[float] = field(default_factory=list)
-    ended: str = ""
 
 
 @dataclass
@@ -155,6 +103,7 @@ def generate_turns(module: nn.Module, tokenizer: Tokenizer, prompts: Sequence[Se
                             max_total=max_total, stop=stop, min_tokens=min_tokens, temperature=temperature,
                             top_p=top_p, seed=seed, prompt_slots=prompt_slots, overlap=overlap, device=device,
                             hand_out=False)
+    assert isinstance(whole, TurnChunk)  # no `park`: never suspended
     return whole.out
 
 
@@ -163,11 +112,16 @@ def stream_turns(module: nn.Module, tokenizer: Tokenizer, prompts: Sequence[Sequ
                  max_total: int | None = None, stop: Sequence[str] = (), min_tokens: int = 0,
                  temperature: float = 1.0, top_p: float = 1.0, seed: int | None = None,
                  prompt_slots: Sequence[int] | None = None, overlap: bool = True,
-                 device: str | torch.device = "cpu", hand_out: bool = True, chunk: int = 0) -> Iterator[TurnChunk]:
+                 device: str | torch.device = "cpu", hand_out: bool = True, chunk: int = 0,
+                 park: Callable[[list[float]], bool] | None = None) -> Iterator[TurnChunk | Suspended]:
     """`generate_turns`' trajectories (the same samples), handed out as they finish: with `hand_out`, the ones
     finished so far each time nothing is left to decode while environments are pending (the caller's work on
     them fills that wait) and whenever `chunk` (> 0) of them are waiting to go; the rest at the end. Without
-    `hand_out`, one chunk of every trajectory at the end."""
+    `hand_out`, one chunk of every trajectory at the end.
+
+    `park` (serverless: give the device back while tools run) is asked, each time nothing is left to decode and
+    no pending environment call has answered yet, with how long each pending call has been waiting (seconds);
+    when it says yes the call ends with a `Suspended` of those trajectories (`resume_turns` goes on with them)."""
     check_sampling_args(prompts, n, max_tokens, min_tokens, temperature, top_p)
     if len(rows) != len(prompts):
         raise ValueError(f"generate_turns got {len(rows)} rows for {len(prompts)} prompts")
@@ -184,60 +138,114 @@ def stream_turns(module: nn.Module, tokenizer: Tokenizer, prompts: Sequence[Sequ
     table = turn_keys(streams.repeat_interleave(max_turns, 0), torch.arange(max_turns, device=dev).repeat(len(streams)))
     table = table.view(len(streams), max_turns, 2)  # (N, max_turns, 2)
     positions = _positions(module)
-    trajs: list[_Traj] = []
+    trajs: list[Traj] = []
     for i, prompt in enumerate(prompts):
         room = positions - len(prompt) if positions else None
         caps = [c for c in (max_total, room) if c is not None]
         cap = min(caps) if caps else 1 << 30
         if cap < 1:
             raise ValueError(f"prompt {i} ({len(prompt)} tokens) leaves no room for a response")
-        trajs += [_Traj((slots[i], j), cap, len(prompt)) for j in range(n)]
-    sampler = Sampler(temperature, top_p, min_tokens, lim.eos)
-
+        trajs += [Traj((slots[i], j), cap, len(prompt), i * n + j, tuple(prompt)) for j in range(n)]
     ids, mask = left_pad_prompts(prompts, lim.pad, dev)  # (B, P)
     with torch.inference_mode():
         pre = prefill_prompts(module, prompts, ids, mask, n=n, share=n > 1, extra=0, prefixes=None, pad=lim.pad)
         kvs = unpack(pre.cache, pre.mask, pre.mask.shape[1], range(len(trajs)))
     for i, tr in enumerate(trajs):
         tr.kv, tr.logits = kvs[i], pre.logits[i]
-        tr.future = envs.reset(tr.key, rows[i // n])
-    waiting = list(range(len(trajs)))
-    batch: _Batch | None = None
-    no_tokens = torch.zeros(0, dtype=torch.long, device=dev)
-    clock = _Clock(started)
-    finished: list[int] = []  # ended, not handed out yet
-    while True:
-        if batch is None:
-            if finished and hand_out and waiting:  # the caller's work on them fills the wait below
-                yield clock.chunk(trajs, finished, n, ids, mask, lim.pad)
+        tr.future, tr.sent = envs.reset(tr.key, rows[i // n]), time.perf_counter()
+    loop = _Loop(module, tokenizer, Sampler(temperature, top_p, min_tokens, lim.eos), table, lim, envs, overlap, n,
+                 ids.shape[1])
+    yield from loop.run(trajs, _Clock(started), hand_out=hand_out, chunk=chunk, park=park)
+
+
+def resume_turns(module: nn.Module, tokenizer: Tokenizer, parked: Sequence[Parked],
+                 pending: Sequence[Future[Outcome]], envs: Envs, *, n: int = 1, max_tokens: int, max_turns: int,
+                 stop: Sequence[str] = (), min_tokens: int = 0, temperature: float = 1.0, top_p: float = 1.0,
+                 overlap: bool = True, device: str | torch.device = "cpu", hand_out: bool = True, chunk: int = 0,
+                 park: Callable[[list[float]], bool] | None = None) -> Iterator[TurnChunk | Suspended]:
+    """Go on with trajectories a suspended call parked (`Suspended.rows`), on any instance: each one's history
+    (prompt and response so far, but the tokens still to feed) is prefilled once (counted in its
+    `prefill_tokens`), its pending environment call's outcome is `pending[k]`, and it continues as `stream_turns`
+    would have, drawing from its own random streams: the same samples as a call never suspended. The sampling
+    arguments must be the suspended call's; chunks' `rows` are the trajectories' places in that call."""
+    started = time.perf_counter()
+    dev = torch.device(device)
+    lim = _Limits(max_tokens, max_turns, tuple(stop), tokenizer.eos_id, tokenizer.pad_id)
+    trajs = [resumed(p, f, started) for p, f in zip(parked, pending, strict=True)]
+    table = torch.tensor([list(p.keys) for p in parked], dtype=torch.long, device=dev).view(len(parked), max_turns, 2)
+    history = [[*tr.prompt, *tr.ids[: len(tr.ids) - len(tr.feed)]] for tr in trajs]
+    ids, mask = left_pad_prompts(history, lim.pad, dev)
+    with torch.inference_mode():
+        pre = prefill_prompts(module, history, ids, mask, n=1, share=False, extra=0, prefixes=None, pad=lim.pad)
+        kvs = unpack(pre.cache, pre.mask, pre.mask.shape[1], range(len(trajs)))
+    for r, tr in enumerate(trajs):
+        tr.kv, tr.logits = kvs[r], pre.logits[r]
+        tr.prefill += len(history[r])
+    loop = _Loop(module, tokenizer, Sampler(temperature, top_p, min_tokens, lim.eos), table, lim, envs, overlap, n,
+                 max(len(tr.prompt) for tr in trajs))
+    yield from loop.run(trajs, _Clock(started), hand_out=hand_out, chunk=chunk, park=park)
+
+
+@dataclass
+class _Loop:
+    """The decode loop over one call's trajectories (`stream_turns`, `resume_turns`)."""
+
+    module: nn.Module
+    tokenizer: Tokenizer
+    sampler: Sampler
+    table: Tensor  # (N, max_turns, 2) each trajectory's turns' stream keys, in `trajs` order
+    lim: _Limits
+    envs: Envs
+    overlap: bool
+    n: int
+    width: int  # prompt columns of the chunks' prompt_ids
+
+    def run(self, trajs: list[Traj], clock: _Clock, *, hand_out: bool, chunk: int,
+            park: Callable[[list[float]], bool] | None) -> Iterator[TurnChunk | Suspended]:
+        lim, envs, tokenizer = self.lim, self.envs, self.tokenizer
+        waiting = list(range(len(trajs)))
+        batch: _Batch | None = None
+        no_tokens = torch.zeros(0, dtype=torch.long, device=self.table.device)
+        finished: list[int] = []  # ended, not handed out yet
+        while True:
+            if batch is None:
+                if finished and hand_out and waiting:  # the caller's work on them fills the wait below
+                    yield clock.chunk(trajs, finished, self.n, self.width, lim.pad)
+                    finished = []
+                if not waiting:
+                    break
+                if park is not None and not any(_future(trajs[i]).done() for i in waiting):
+                    now = time.perf_counter()
+                    if park([now - trajs[i].sent for i in waiting]):
+                        yield clock.suspend(trajs, finished, waiting, self.table)
+                        return
+                began = time.perf_counter()
+                wait([_future(trajs[i]) for i in waiting],
+                     return_when=FIRST_COMPLETED if self.overlap else ALL_COMPLETED)
+                clock.idle += time.perf_counter() - began
+            with torch.inference_mode():
+                # The barrier loop looks at its environments only once the whole batch has ended its turns.
+                joining: list[int] = []
+                if waiting and (self.overlap or batch is None):
+                    back = [i for i in waiting if _future(trajs[i]).done()]
+                    returned = set(back)
+                    waiting = [i for i in waiting if i not in returned]
+                    joining = [i for i in back if _settle(trajs[i], _future(trajs[i]).result(), lim, tokenizer, envs)]
+                    finished += [i for i in back if trajs[i].ended]
+                tokens = no_tokens
+                if batch is not None:
+                    batch, tokens, leaving = _sample(self.sampler, self.table, trajs, batch, lim, tokenizer)
+                    for i in leaving:
+                        tr = trajs[i]
+                        tr.future = envs.step(tr.key, tokenizer.decode(tr.ids[tr.turn_start :]))
+                        tr.sent = time.perf_counter()
+                        waiting.append(i)
+                batch = _advance(self.module, trajs, batch, tokens, joining, lim)
+            if hand_out and chunk > 0 and len(finished) >= chunk:
+                yield clock.chunk(trajs, finished, self.n, self.width, lim.pad)
                 finished = []
-            if not waiting:
-                break
-            began = time.perf_counter()
-            wait([_future(trajs[i]) for i in waiting], return_when=FIRST_COMPLETED if overlap else ALL_COMPLETED)
-            clock.idle += time.perf_counter() - began
-        with torch.inference_mode():
-            # The barrier loop looks at its environments only once the whole batch has ended its turns.
-            joining: list[int] = []
-            if waiting and (overlap or batch is None):
-                back = [i for i in waiting if _future(trajs[i]).done()]
-                returned = set(back)
-                waiting = [i for i in waiting if i not in returned]
-                joining = [i for i in back if _settle(trajs[i], _future(trajs[i]).result(), lim, tokenizer, envs)]
-                finished += [i for i in back if trajs[i].ended]
-            tokens = no_tokens
-            if batch is not None:
-                batch, tokens, leaving = _sample(sampler, table, trajs, batch, lim, tokenizer)
-                for i in leaving:
-                    tr = trajs[i]
-                    tr.future = envs.step(tr.key, tokenizer.decode(tr.ids[tr.turn_start :]))
-                    waiting.append(i)
-            batch = _advance(module, trajs, batch, tokens, joining, lim)
-        if hand_out and chunk > 0 and len(finished) >= chunk:
-            yield clock.chunk(trajs, finished, n, ids, mask, lim.pad)
-            finished = []
-    if finished or not trajs:
-        yield clock.chunk(trajs, finished, n, ids, mask, lim.pad)
+        if finished or not trajs:
+            yield clock.chunk(trajs, finished, self.n, self.width, lim.pad)
 
 
 class _Clock:
@@ -247,20 +255,29 @@ class _Clock:
     def __init__(self, started: float):
         self.mark, self.idle = started, 0.0
 
-    def chunk(self, trajs: list[_Traj], rows: list[int], n: int, ids: Tensor, mask: Tensor, pad: int) -> TurnChunk:
+    def chunk(self, trajs: list[Traj], rows: list[int], n: int, width: int, pad: int) -> TurnChunk:
         now = time.perf_counter()
-        rows = sorted(rows)
-        out = _output([trajs[i] for i in rows], rows, n, ids, mask, pad, self.idle, now - self.mark)
+        mine = sorted((trajs[i] for i in rows), key=lambda tr: tr.place)
+        out = turn_output(mine, n, width, pad, self.idle, now - self.mark)
         self.mark, self.idle = now, 0.0
-        return TurnChunk(rows, out)
+        return TurnChunk([tr.place for tr in mine], out)
+
+    def suspend(self, trajs: list[Traj], finished: list[int], waiting: list[int], table: Tensor) -> Suspended:
+        assert not finished  # handed out before
+        now = time.perf_counter()
+        rows = [park_row(trajs[i], table[i]) for i in waiting]
+        futures = [_future(trajs[i]) for i in waiting]
+        out = Suspended(rows, futures, self.idle, now - self.mark)
+        self.mark, self.idle = now, 0.0
+        return out
 
 
-def _future(tr: _Traj) -> Future[Outcome]:
+def _future(tr: Traj) -> Future[Outcome]:
     assert tr.future is not None
     return tr.future
 
 
-def _settle(tr: _Traj, out: Outcome, lim: _Limits, tokenizer: Tokenizer, envs: Envs) -> bool:
+def _settle(tr: Traj, out: Outcome, lim: _Limits, tokenizer: Tokenizer, envs: Envs) -> bool:
     """Apply an environment's outcome to its trajectory: True when it goes on (its observation appended to
     `feed`, to be prefilled), False when it ended (its environment released)."""
     reset = tr.turn == 0
@@ -297,7 +314,7 @@ def _settle(tr: _Traj, out: Outcome, lim: _Limits, tokenizer: Tokenizer, envs: E
     return True
 
 
-def _sample(sampler: Sampler, table: Tensor, trajs: list[_Traj], batch: _Batch, lim: _Limits,
+def _sample(sampler: Sampler, table: Tensor, trajs: list[Traj], batch: _Batch, lim: _Limits,
             tokenizer: Tokenizer) -> tuple[_Batch | None, Tensor, list[int]]:
     """Sample one token for every row; rows whose turn ended leave the batch, their caches kept (their token is
     fed later, before their observation). Returns the batch of the staying rows (None if none), their (R,)
@@ -337,7 +354,7 @@ def _sample(sampler: Sampler, table: Tensor, trajs: list[_Traj], batch: _Batch, 
     return batch, tok[keep], gone
 
 
-def _advance(module: nn.Module, trajs: list[_Traj], batch: _Batch | None, tokens: Tensor, joining: list[int],
+def _advance(module: nn.Module, trajs: list[Traj], batch: _Batch | None, tokens: Tensor, joining: list[int],
              lim: _Limits) -> _Batch | None:
     """Feed the batch's rows their sampled `tokens` (one decode step); prefill the `joining` trajectories' new
     tokens (the last action token and the observation) onto their kept caches, in a forward of their own (the
@@ -390,17 +407,17 @@ def _advance(module: nn.Module, trajs: list[_Traj], batch: _Batch | None, tokens
                   torch.cat([batch.logits, joined.logits]))
 
 
-def _kv(tr: _Traj) -> RowKV:
+def _kv(tr: Traj) -> RowKV:
     assert tr.kv is not None
     return tr.kv
 
 
-def _logits(tr: _Traj) -> Tensor:
+def _logits(tr: Traj) -> Tensor:
     assert tr.logits is not None
     return tr.logits
 
 
-def _turn_end(tr: _Traj, token: int, lim: _Limits, tokenizer: Tokenizer) -> str:
+def _turn_end(tr: Traj, token: int, lim: _Limits, tokenizer: Tokenizer) -> str:
     """Why the current turn ends at this token ("" if it goes on). A stop text is looked for in the decoded
     text of the turn so far, so it is found whatever tokens spell it."""
     if token == lim.eos:
@@ -421,39 +438,3 @@ def _positions(module: nn.Module) -> int | None:
         if isinstance(value, int) and value > 0:
             return value
     return None
-
-
-def _output(trajs: list[_Traj], places: list[int], n: int, ids: Tensor, mask: Tensor, pad: int, idle: float,
-            wall: float) -> TurnOutput:
-    """The TurnOutput of `trajs`, the call's rows `places` (prompt i's sample j is row i * n + j)."""
-    rows = len(trajs)
-    width = max(1, max((len(tr.ids) for tr in trajs), default=1))
-    resp = torch.full((rows, width), pad, dtype=torch.long)
-    resp_mask = torch.zeros((rows, width), dtype=torch.long)
-    loss = torch.zeros((rows, width), dtype=torch.long)
-    logp = torch.zeros((rows, width), dtype=torch.float32)
-    turn_index = torch.full((rows, width), -1, dtype=torch.long)
-    rewards = torch.zeros((rows, width), dtype=torch.float32)
-    for r, tr in enumerate(trajs):
-        k = len(tr.ids)
-        resp[r, :k] = torch.tensor(tr.ids, dtype=torch.long)
-        resp_mask[r, :k] = 1
-        loss[r, :k] = torch.tensor(tr.gen, dtype=torch.long)
-        logp[r, :k] = torch.tensor(tr.logp, dtype=torch.float32)
-        turn_index[r, :k] = torch.tensor(tr.turn_of, dtype=torch.long)
-        for at, value in tr.reward.items():
-            rewards[r, at] = value
-
-    def longs(values: list[int]) -> Tensor:
-        return torch.tensor(values, dtype=torch.long)
-
-    index = longs(places)
-    return TurnOutput(
-        prompt_ids=ids.cpu()[index // n], prompt_mask=mask.cpu()[index // n],
-        response_ids=resp, response_mask=resp_mask, loss_mask=loss, logprobs=logp, turn_index=turn_index,
-        turn_rewards=rewards, response_lens=resp_mask.sum(1), prompt_index=index // n,
-        turns=longs([tr.turn for tr in trajs]), calls=longs([tr.calls for tr in trajs]),
-        errors=longs([tr.errors for tr in trajs]), timeouts=longs([tr.timeouts for tr in trajs]),
-        prefill_tokens=longs([tr.prefill for tr in trajs]), step_seconds=[tr.step_s for tr in trajs],
-        ended=[tr.ended for tr in trajs], idle_s=idle, wall_s=wall,
-    )  # fmt: skip

@@ -163,10 +163,11 @@ def fuse_gen_inference(graph: Graph) -> tuple[Graph, list[str]]:
 def _note(gen: Node, fused: list[Node], beside: list[Node], chunk: int, flush: int) -> str:
     if runs_env(gen):
         env = gen.attrs["env"]
+        name = env.get("name") if isinstance(env, Mapping) else env
         targets = [f"{f.id} on worker group {f.worker_group}" for f in fused]
         targets += [f"{r.id} (reward {r.attrs.get('fn')}) on its own workers" for r in beside]
         return (f"{gen.id}: hands out finished trajectories whenever every live one waits on its environment "
-                f"({env.get('name')}), and at the end; " + ", ".join(targets) + " run on them during those waits")
+                f"({name}), and at the end; " + ", ".join(targets) + " run on them during those waits")
     elsewhere: dict[str, list[str]] = {}
     for f in fused:
         if f.worker_group != gen.worker_group:

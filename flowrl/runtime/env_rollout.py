@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from flowrl.engines.turns import TurnOutput, generate_turns, stream_turns
+from flowrl.engines.turns import TurnChunk, TurnOutput, generate_turns, stream_turns
 from flowrl.envs import EnvSpec, Outcome
 from flowrl.envs.pool import EnvPool
 from flowrl.errors import Diagnostic, ExecutionError
@@ -140,6 +140,7 @@ def env_stream(module: torch.nn.Module, tokenizer: Tokenizer, ids: Sequence[Sequ
                              prompt_slots=slots, overlap=spec.overlap, device=device):
         if pool.failed is not None:
             raise _failure(spec, attrs, envs, prompts, slots)
+        assert isinstance(part, TurnChunk)  # no `park`: never suspended
         out = rollout_batch(part.out, tokenizer, prompts, a.temperature)
         sample = first_sample + torch.tensor(part.rows, dtype=torch.long)
         out.tensors.update(sample=sample, group_id=sample // a.n, pad=torch.full((out.size,), tokenizer.pad_id))
