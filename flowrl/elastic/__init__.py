@@ -12,12 +12,15 @@ policy is measured in both places. Nothing here touches a device, a process or a
   slack, what they waited for chunks with their slots held);
 - `prefill`: which instance computes a prompt prefix shared across instances, and whether the others take its
   keys and values or compute it themselves (deduplicated prefill);
+- `env_wait`: the environment wait a multi-turn instance has ahead (from step-latency history) and whether it gives
+  its device back while every live trajectory waits on its environment;
 - `plan`: one generation's decisions put together (instance count, runs, migration sink) and what a finished
   generation teaches the next (the decode curve), as the backend and the simulator both take them.
 Imports only the standard library.
 """
 
 from flowrl.elastic.assign import ranked_runs, split_runs
+from flowrl.elastic.env_wait import EnvWaitPredictor, should_release
 from flowrl.elastic.late import LATE_SHARE, SLACK_MEAN, late_start, update_slack
 from flowrl.elastic.migrate import migration_target, should_migrate
 from flowrl.elastic.plan import (
@@ -40,8 +43,8 @@ from flowrl.elastic.prefill import (
 from flowrl.elastic.prewarm import learn_start, prewarm_delay, prewarm_plan
 from flowrl.elastic.scale import Candidate, DecodeCurve, ScaleChoice, choose_instances, decode_steps, estimate
 
-__all__ = ["LATE_SHARE", "SLACK_MEAN", "Candidate", "DecodeCurve", "GenerationPlan", "HandOver", "LengthPredictor", "PrefillRates", "PrefixShare",
+__all__ = ["LATE_SHARE", "SLACK_MEAN", "Candidate", "DecodeCurve", "EnvWaitPredictor", "GenerationPlan", "HandOver", "LengthPredictor", "PrefillRates", "PrefixShare",
            "ScaleChoice", "choose_instances", "decide_hand_over", "decode_steps", "estimate", "hand_over", "late_start", "learn_decode",
            "learn_start", "migration_sink", "migration_target", "plan_generation", "predictions", "prewarm_delay",
-           "prewarm_plan", "ranked_runs", "share_prefixes", "should_migrate", "spearman", "split_runs",
+           "prewarm_plan", "ranked_runs", "share_prefixes", "should_migrate", "should_release", "spearman", "split_runs",
            "start_overhead", "update_slack"]
