@@ -59,6 +59,10 @@ LABELS: dict[str, Label] = {
                            "a flow is made of `flow`, `import`, `model`, `reward`, `data`, `use`, `step`, "
                            "`template`, `run` and `placement` declarations; statements go inside `step { }`",
                            "token"),
+    "expected_stage_item": Label("expected `use`, `step`, `run` or `placement` in a stage, got {tok}",
+                                 "a stage holds one `use` or `step { }`, and its own `run { }` and `placement { }`; "
+                                 "models, data and rewards are declared at the top level, for every stage",
+                                 "token"),
     "unterminated_string": Label("unterminated string", "close it with '\"' on the same line", "token"),
     "unknown_char": Label("unknown character {tok}", None, "token"),
 }
@@ -94,9 +98,15 @@ EXAMPLES: dict[str, list[str]] = {
         "step { x = f(a, k = ) }", "reward r =", "model a : policy { lr = }", "template t(a = ) {",
     ],
     "missing_role": ["model a {", "model a policy", "model a"],
+    # a declaration word where a stage's part goes; each also after a declaration (the parser's stack is one deeper)
+    # and after a part (the lexer names a keyword it cannot take there as that keyword, so each word is listed)
+    "expected_stage_item": [f"{first}stage s {{ {part}{word}" for first in ("", "flow f\n")
+                            for part in ("", "use g() ", "step { } ", "run { } ")
+                            for word in ("x", "model", "data d", "reward r", "import", "template", "env", "tool",
+                                         "flow", "stage")],
     "missing_name": [
         "model : policy", "model {", "reward = \"x\"", "data = jsonl", "use (", "flow", "flow {",
-        "template (", "placement { pool {",
+        "template (", "placement { pool {", "stage {",
     ],
     "expected_call": ["step { x = 1 }", "step { x = \"s\" }", "step { x = y }", "step { x = y\n}"],
     "nested_call": ["step { x = f(g(a)) }", "step { x = f(a, g(b)) }", "step { x = f(k = g(b)) }",
