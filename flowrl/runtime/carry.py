@@ -67,6 +67,7 @@ def load_into(groups: Mapping[str, WorkerGroup], weights: Mapping[str, Weights])
         mine = {m: w for m, w in weights.items() if m in state}
         if not mine:
             continue
-        for model, w in mine.items():
-            state[model] = {**state[model], "module": fit_weights(state[model]["module"], w, model)}
-        group.load_state_dict({m: state[m] for m in mine})
+        # "optim": None leaves the fresh optimizer as it is; its state (a copy, across a process) would bring the
+        # trainer's own view of the old weights back
+        group.load_state_dict({m: {"module": fit_weights(state[m]["module"], w, m), "optim": None}
+                               for m, w in mine.items()})

@@ -166,3 +166,17 @@ def test_fit_weights_fills_a_value_models_backbone() -> None:
     assert fit_weights(lm, lm) == lm
     with pytest.raises(FlowError, match="layout differs"):
         fit_weights(lm, value, "ref")
+
+
+def test_weights_carry_into_worker_processes(full: tuple[Pipeline, PipelineResult], tmp_path: Path) -> None:
+    """On the process backend the groups' states are copies: the carried weights must still be the ones loaded
+    (a trainer's copied state once brought the initial weights back)."""
+    pipe, local = full
+    out = tmp_path / "proc"
+    result = run_pipeline(pipe, out_dir=out, backend=lambda stage: backends.make("process"))
+    warm = torch.load(out / "stages/warm/models.pt")["actor"]
+    rl = torch.load(out / "stages/rl/models.pt")
+    assert all(torch.equal(rl["ref"][k], warm[k]) for k in warm)
+    assert result.metrics[3]["actor/kl_mean"] == 0.0
+    assert [r["actor/loss"] for r in result.metrics] == pytest.approx([r["actor/loss"] for r in local.metrics],
+                                                                      rel=1e-4, abs=1e-6)
