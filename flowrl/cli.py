@@ -159,7 +159,9 @@ def cmd_check(args: argparse.Namespace) -> int:
             failed += 1
         else:
             if isinstance(graph, Pipeline):
-                cli_stages.check(f, graph, _settings_not_applied)
+                backend = args.backend
+                cli_stages.check(f, graph, _settings_not_applied,
+                                 (lambda g: _backend_warnings(g, backend)) if backend is not None else None)
                 continue
             print(f"{f}: ok")
             for w in graph.warnings:

@@ -17,16 +17,21 @@ from flowrl.errors import Diagnostic, FlowError
 from flowrl.ir.graph import Graph
 
 
-def check(f: str, pipe: Pipeline, notes: Callable[[Graph], list[str]]) -> None:
-    """`flowrl check` on a pipeline that compiled: ok, its warnings, then each stage's notes."""
+def check(f: str, pipe: Pipeline, notes: Callable[[Graph], list[str]],
+          warnings: Callable[[Graph], list[Diagnostic]] | None) -> None:
+    """`flowrl check` on a pipeline that compiled: ok, its warnings, then each stage's notes and (with --backend)
+    what that backend cannot do of it."""
     from flowrl.compiler import optimize
 
     print(f"{f}: ok ({len(pipe.stages)} stages: {', '.join(pipe.names)})")
     for w in pipe.warnings:
         print(w.render(), file=sys.stderr)
     for s in pipe.stages:
-        for note in notes(optimize(s.graph)):
+        optimized = optimize(s.graph)
+        for note in notes(optimized):
             print(f"{f}: stage {s.name}: note: {note}")
+        for w in warnings(optimized) if warnings is not None else []:
+            print(f"{f}: stage {s.name}: {w.render()}", file=sys.stderr)
 
 
 def compile_text(pipe: Pipeline, as_json: bool, explain: Callable[[Graph], str] | None) -> str:

@@ -4,6 +4,11 @@ viz (stages as clusters) and timeline (per stage)."""
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -91,3 +96,52 @@ def test_viz_draws_the_stages_as_clusters_left_to_right(flow: Path, tmp_path: Pa
         assert "stage warm" in source and "stage rl" in source
         assert '"warm/rollout"' in source and '"rl/rollout"' in source  # one node per stage, apart
         assert "label=then" in source and "lhead=cluster_stage_1 ltail=cluster_stage_0" in source
+
+
+def _metrics(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def test_a_stage_killed_mid_way_resumes_to_the_uninterrupted_metrics(flow: Path, tmp_path: Path) -> None:
+    """`flowrl run` is interrupted (SIGINT, as Ctrl-C) in a first stage that cannot end on its own, once its second
+    step's row is written; --resume with that stage given one step past its last checkpoint equals a run of as many
+    steps straight (however far it got before the signal landed)."""
+    sets = ["--set", "run.checkpoint_every=1", "--set", "stage.rl.steps=1"]
+    cut = tmp_path / "cut"
+    cmd = [sys.executable, "-m", "flowrl", "run", str(flow), "--out", str(cut), "--quiet", *sets,
+           "--set", "stage.warm.steps=100000"]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        while len(_metrics(cut / "stages/warm/metrics.jsonl")) < 2:  # the event: step 2's row on disk
+            assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+            time.sleep(0.05)  # polling for the row, not a guess at how long a step takes
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err
+    assert "continue with --resume" in err
+    state = json.loads((cut / "pipeline.json").read_text())
+    assert [s["done"] for s in state["stages"]] == [False, False]
+    last = max(int(p.stem.removeprefix("step_")) for p in (cut / "stages/warm/checkpoints").glob("step_*.pt"))
+    steps = ["--set", f"stage.warm.steps={last + 1}"]
+    assert main(["run", str(flow), "--out", str(cut), "--quiet", "--resume", *sets, *steps]) == 0
+    straight = tmp_path / "straight"
+    assert main(["run", str(flow), "--out", str(straight), "--quiet", *sets, *steps]) == 0
+
+    def numbers(rows: list[dict]) -> list[dict]:
+        return [{k: v for k, v in r.items() if not k.startswith(("time/", "cost/"))
+                 and k not in ("step_time_s", "tokens_per_s")} for r in rows]
+
+    assert numbers(_metrics(cut / "metrics.jsonl")) == numbers(_metrics(straight / "metrics.jsonl"))
+    assert [(r["stage"], r["stage_step"]) for r in _metrics(cut / "metrics.jsonl")] == [
+        *(("warm", i) for i in range(1, last + 2)), ("rl", 1)]
+
+
+def test_check_notes_each_stage(flow: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    flow.write_text(FLOW.replace("run { steps = 2, seed = 3 }", "run { steps = 2, seed = 3, max_staleness = 1 }"))
+    assert main(["check", str(flow), "--backend", "local"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert [line.split(": note:")[0] for line in out[1:]] == [f"{flow}: stage warm", f"{flow}: stage rl"]
+    assert all("max_staleness = 1 } is not applied" in line for line in out[1:])
