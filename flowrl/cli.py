@@ -14,6 +14,7 @@ import sys
 import textwrap
 import traceback
 from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -159,9 +160,8 @@ def cmd_check(args: argparse.Namespace) -> int:
             failed += 1
         else:
             if isinstance(graph, Pipeline):
-                backend = args.backend
                 cli_stages.check(f, graph, _settings_not_applied,
-                                 (lambda g: _backend_warnings(g, backend)) if backend is not None else None)
+                                 partial(_backend_warnings, backend=args.backend) if args.backend else None)
                 continue
             print(f"{f}: ok")
             for w in graph.warnings:
