@@ -37,7 +37,7 @@ from flowrl.errors import Diagnostic, FlowError
 from flowrl.ir.graph import Graph, Range
 from flowrl.runtime.protocol import Usage, WorkerGroup
 
-ABLATE = ("predict", "assign", "dedup", "migrate", "scale", "prewarm", "late")
+ABLATE = ("predict", "assign", "dedup", "migrate", "scale", "prewarm", "late", "env_release")
 
 
 class ServerlessBackend:
@@ -101,6 +101,8 @@ class ServerlessBackend:
             policy = replace(policy, late=self.late)
         if "late" in self.ablate:
             policy = replace(policy, late=0.0)
+        if "env_release" in self.ablate:  # multi-turn instances hold their devices through environment waits
+            policy = replace(policy, env_release=False)
         slots = self.shared_slots = Slots(total)  # the cluster's slots now: waiting instances never hold what
         # their peers need
         acquire = None

@@ -16,6 +16,7 @@ model (a reference, no copy: an instance loads it when it next needs it).
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
@@ -25,6 +26,7 @@ import ray
 
 from flowrl.backends.serverless import migrate, prefill, stream
 from flowrl.backends.serverless.devices import Devices
+from flowrl.backends.serverless.env_release import EnvRelease
 from flowrl.backends.serverless.instance import Build, remote_serve
 from flowrl.backends.serverless.ledger import Ledger, usage_of
 from flowrl.backends.serverless.prewarm import Prewarmer, Warm
@@ -37,6 +39,7 @@ from flowrl.ir.graph import Node
 from flowrl.runtime import dispatch
 from flowrl.runtime.batch import Batch
 from flowrl.runtime.chunks import ChunkForward, assemble, concat
+from flowrl.runtime.env_rollout import env_spec_of
 from flowrl.runtime.protocol import Future, StreamedStage, Usage, WorkerGroup
 from flowrl.runtime.transport import pack
 from flowrl.runtime.worker import PromptEncoder
@@ -65,6 +68,28 @@ class ServerlessFuture:
         finally:
             for box in self.boxes:
                 self.group.mailbox.close.remote(box)
+
+
+class _Released:
+    """A multi-turn generation's future: its rounds run in a thread of their own (env_release.py)."""
+
+    def __init__(self, released: EnvRelease, args: tuple[Any, ...], kwargs: dict[str, Any]):
+        self.out: list[Batch] = []
+        self.error: list[BaseException] = []
+        self.thread = threading.Thread(target=self._run, args=(released, args, kwargs), daemon=True)
+        self.thread.start()
+
+    def _run(self, released: EnvRelease, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        try:
+            self.out.append(released.generate(*args, **kwargs))
+        except BaseException as e:  # re-raised by result()
+            self.error.append(e)
+
+    def result(self) -> Batch:
+        self.thread.join()
+        if self.error:
+            raise self.error[0]
+        return self.out[0]
 
 
 def _chunk_forward(node: Node) -> ChunkForward:
@@ -116,6 +141,7 @@ class ServerlessGroup:
         self.encoders: dict[str, PromptEncoder] = {}  # generating models' prompt tokenization (prefill planning)
         self.prefill = PrefillRates()  # the deduplicated prefill's measured rates (flowrl.elastic.prefill)
         self.slack_s: float | None = None  # a streamed stage's: how long its forward instances could start late
+        self.released = EnvRelease(self)  # multi-turn generations: env hosts, latency history
 
     def start(self) -> None:
         """One instance builds the models once (the pool's first cold start) and tells how each tokenizes
@@ -135,6 +161,9 @@ class ServerlessGroup:
         return self._call(method, args, mode, kwargs)
 
     def _call(self, method: str, args: tuple[Any, ...], mode: str, kwargs: dict[str, Any]) -> Future:
+        if method == "generate" and self.policy.env_release and len(args) > 2 and env_spec_of(args[2]) is not None:
+            # multi-turn: rounds of instances that give their devices back while tools run (env_release.py)
+            return _Released(self.released, args, kwargs)
         world = 1 if method in dispatch.UPDATES else self.world
         order, choice, sink = None, None, None
         if method == "generate" and args and isinstance(args[1], Batch):
@@ -207,6 +236,8 @@ class ServerlessGroup:
                      others: Mapping[str, WorkerGroup]) -> StreamedStage | None:
         """Generation on this pool's instances, each running its own group's forwards on its chunks and
         offering every chunk to one instance of each other serverless group with forwards of the stage."""
+        if self.policy.env_release and env_spec_of(gen.attrs) is not None:
+            return None  # multi-turn: instances give their devices back while tools run instead (env_release.py)
         away: dict[str, list[ChunkForward]] = {}
         for f in forwards:
             if f.worker_group != self.name:
@@ -396,8 +427,9 @@ class ServerlessGroup:
         return self.ledger.take_metrics()
 
     def close(self) -> None:
-        """Stop pre-warming and release the instances still waiting."""
+        """Stop pre-warming and release the instances still waiting; stop the env hosts."""
         self.prewarm.close()
+        self.released.close()
 
     def drain(self, timeout_s: float = 60.0) -> None:
         """Wait (at most `timeout_s`) until the instances released unused have returned."""

@@ -41,7 +41,7 @@ from typing import Any
 import ray
 import torch
 
-from flowrl.backends.serverless import migrate, prefill, stream
+from flowrl.backends.serverless import env_release, migrate, prefill, stream
 from flowrl.backends.serverless.cache import Entry, ProcessModels, free, movable, move_models
 from flowrl.backends.serverless.devices import SLOT as SLOT  # the resource instances took before devices.py
 from flowrl.backends.serverless.devices import choose_device, task_device
@@ -68,7 +68,9 @@ class Build:
 
 _CACHE = ProcessModels()
 # what an instance runs for the methods that are not ModelWorker's own (they talk to the Mailbox actor)
-TASKS: dict[str, Callable[..., Any]] = {migrate.METHOD: migrate.generate, stream.CONSUME: stream.consume}
+TASKS: dict[str, Callable[..., Any]] = {migrate.METHOD: migrate.generate, stream.CONSUME: stream.consume,
+                                        env_release.GENERATE: env_release.generate_parking,
+                                        env_release.RESUME: env_release.resume_parked}
 
 
 def _ready(key: tuple[str, str], build: Build, wanted: Mapping[str, tuple[int, Sequence[Any]]],

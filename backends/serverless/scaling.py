@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from flowrl.elastic.env_wait import MIN_HISTORY
 from flowrl.elastic.late import LATE_SHARE
 from flowrl.elastic.plan import GenerationPlan, learn_decode, plan_generation, predictions, start_overhead
 from flowrl.elastic.predict import LengthPredictor
@@ -42,6 +43,12 @@ class Policy:
     # a fused stage's forward instances start this share of their learned slack after the first chunk (0: with
     # it): what they would have spent waiting for chunks, slot held, while generation goes on (group.stream_stage)
     late: float = LATE_SHARE  # flowrl.elastic.late
+    # a multi-turn generation's instance gives its device back while every live trajectory waits on environments
+    # predicted to answer later than releasing and re-acquiring costs (env_release.py; flowrl.elastic.env_wait):
+    # that cost in seconds (None: the pool's measured warm-task overhead), and the latencies seen before any release
+    env_release: bool = True
+    env_release_s: float | None = None
+    env_min_history: int = MIN_HISTORY
 
 
 def in_order(out: Batch, rows: list[int] | None, order: list[int] | None) -> Batch:
