@@ -44,11 +44,15 @@ def test_a_placed_flow_renders(tmp_path: Path) -> None:
 
 
 def _render_all(flows: list[Path], tmp_path: Path) -> None:
-    from flowrl.compiler import compile_file
+    from flowrl.compiler import compile_any
+    from flowrl.dsl.stages import Pipeline
 
     fmt = "svg" if shutil.which("dot") else "dot"
     for flow in flows:
-        graph = compile_file(str(flow))
+        compiled = compile_any(str(flow))
+        # a pipeline's stages are drawn side by side, each stage's names in its cluster (`cluster_STAGE/GROUP`)
+        graphs = ([(f"{s.name}/", s.graph) for s in compiled.stages] if isinstance(compiled, Pipeline)
+                  else [("", compiled)])
         for stage in STAGES:
             out = render(str(flow), tmp_path / f"{flow.stem}_{stage}.{fmt}", stage=stage)
             if fmt == "dot":
@@ -56,9 +60,10 @@ def _render_all(flows: list[Path], tmp_path: Path) -> None:
                 continue
             root = ET.parse(out).getroot()
             words = {t.text.strip() for t in root.iter(f"{SVG}text") if t.text}
-            missing = [n.id for n in graph.nodes if n.id not in words]
-            assert not missing, (flow.name, stage, missing)
-            if stage == "placed":
-                titles = [g.findtext(f"{SVG}title") for g in root.iter(f"{SVG}g") if g.get("class") == "cluster"]
-                for w in graph.worker_groups:
-                    assert titles.count(f"cluster_{w.name}") == 1, (flow.name, w.name)
+            for prefix, graph in graphs:
+                missing = [n.id for n in graph.nodes if n.id not in words]
+                assert not missing, (flow.name, stage, missing)
+                if stage == "placed":
+                    titles = [g.findtext(f"{SVG}title") for g in root.iter(f"{SVG}g") if g.get("class") == "cluster"]
+                    for w in graph.worker_groups:
+                        assert titles.count(f"cluster_{prefix}{w.name}") == 1, (flow.name, w.name)
