@@ -149,9 +149,19 @@ class EnvRelease:
         how, extra = GENERATE, dict[str, Any]()
         while True:
             sent = time.perf_counter()
-            refs, token = group._submit([], group._wanted(), how, (model, prompts, dict(attrs)),
-                                        {**kw, **extra, "history": list(self.history[-512:])})
-            (part,), used = group._collect("generate", [refs], [token], False)
+            if group.slots is not None:  # idle pre-warmed instances of other pools make way
+                group.slots.make_room(group.name, max(0, 1 - group.prewarm.waiting()))
+            first, warm = group.prewarm.arrived(1, "generate")  # a pre-warmed (or kept-warm floor) instance
+            boxes = [w.box for w in warm]
+            try:
+                refs, token = group._submit(warm, group._wanted(), how, (model, prompts, dict(attrs)),
+                                            {**kw, **extra, "history": list(self.history[-512:])})
+                (part,), used = group._collect("generate", [refs], [token], first)
+            finally:
+                for box in boxes:
+                    group.mailbox.close.remote(box)
+                if group.slots is not None:  # the lower bounds let go for this round are kept warm again
+                    group.slots.refill()
             self._learn(time.perf_counter() - sent, used)
             parts.append(part)
             self.history += part.seconds
