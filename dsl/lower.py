@@ -17,6 +17,7 @@ from typing import Any
 
 import flowrl.rewards  # noqa: F401  (registers the shipped rewards by name)
 from flowrl import registry
+from flowrl.data.jsonl import held_out_problem
 from flowrl.data.tables import DATA_KINDS, prompt_plain, read_data
 from flowrl.errors import DataError
 from flowrl.ir.graph import ROLES, DataDecl, Graph, ModelDecl, Range, Ref, RewardDecl, Value, frozen
@@ -37,7 +38,7 @@ from .keys import Entry as _Entry
 from .keys import check_value
 from .overrides import Overrides, parse_overrides
 from .placement import Placer, ReplicasAt
-from .steps import Body, DataSource, StepLowering
+from .steps import Body, DataSource, StepLowering, may_train, trainable_when_updated
 from .templates import Expander, UseArg, check_template
 from .values import KIND_NAMES, Binding, DataB, KindError, ModelB, RewardB, coerce, describe, to_value
 
@@ -109,7 +110,8 @@ class _Lowering:
         check_device(self.rep, self._run_block, run.get("device"))
         env: dict[str, Binding] = {}
         for m in models:
-            env.setdefault(m.name, ModelB(m.name, m.role if m.role in ROLES else None, m.trainable))
+            env.setdefault(m.name, ModelB(m.name, m.role if m.role in ROLES else None,
+                                          may_train(m, self._model_blocks[m.name])))
         for r in rewards:
             env.setdefault(r.name, RewardB(r.name, r.target))
         for d in data:
@@ -121,6 +123,7 @@ class _Lowering:
         body, template = self._iteration(iterations, env, ovr)
         steps = StepLowering(self.rep, sources)
         nodes = attach_envs(self.rep, self.src, steps.lower(body) if body is not None else [], envs, steps.written)
+        models = trainable_when_updated(models, nodes)  # a reward model a step updates gets an optimizer
         if envs_ast and all(r.target != ENV_ONLY_REWARD for r in rewards) and any(
                 n.op == "reward" and n.attrs.get("fn") == ENV_ONLY_REWARD for n in nodes):
             rewards.append(RewardDecl("reward", ENV_ONLY_REWARD, self.src.loc(envs_ast[0]), False, "python", frozen()))
@@ -426,7 +429,8 @@ class _Lowering:
                 continue
             block = self._block(d.entries, ovr.data.get(name, ()), ovr, DATA_KEYS, "data")
             self._data_blocks[name] = block
-            options = self._filled(block, DATA_KEYS, "data")
+            # a key without a default left unset (held_out) is left out, as graphs printed it before the key existed
+            options = {k: v for k, v in self._filled(block, DATA_KEYS, "data").items() if v is not None}
             path = self._data_path(d)
             if path is not None:
                 key = str(options.get("prompt_key", "prompt"))
@@ -434,6 +438,10 @@ class _Lowering:
                 limit = options.get("limit")
                 rows = rows[:limit] if isinstance(limit, int) and limit > 0 else rows
                 self._prompts[name] = [prompt_plain(r[key]) for r in rows]
+                held = held_out_problem(rows, str(options["held_out"])) if "held_out" in options else None
+                if held is not None:  # the column a preference update evaluates on (flowrl.data.jsonl)
+                    at = block["held_out"]
+                    self.rep.error(at.src, held[1], at.entry.value, hint="held_out names a bool column of the data")
                 self._shown[name] = self._shown_path(str(to_value(d.args[0].value)))
             out.append(DataDecl(name, d.kind.name, path or "", self.src.loc(d), frozen(options)))
             sources[name] = DataSource(self.src.loc(d), self.src.text_of(d), options)

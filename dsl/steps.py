@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from flowrl import registry
 from flowrl.errors import Loc
-from flowrl.ir.graph import CONTROLLER, Node, Value, frozen
-from flowrl.ir.signatures import FUNCTIONS, METHODS, REWARD, SCORE, Param, Signature
+from flowrl.ir.graph import CONTROLLER, ModelDecl, Node, Value, frozen
+from flowrl.ir.signatures import DATA_LOSSES, FUNCTIONS, LOSS_KEYS, METHODS, REWARD, SCORE, Param, Signature
 
 from . import ast
 from .dag import cycle_through, strongly_connected, topological
@@ -192,7 +192,72 @@ class StepLowering:
             p.attrs["fn"] = fn
         if not self._bind(body, sig, call, what, bound, p):
             return None
+        if method == "update" and not self._check_update(body, call, what, bound, p):
+            return None
         return p
+
+    def _loss_keys(self, body: Body, call: ast.Call, loss: str, p: _Pending) -> bool:
+        """A policy update keeps the keys of its own loss (LOSS_KEYS): another loss's defaults are dropped, and
+        another loss's key written is an error."""
+        if loss not in LOSS_KEYS:
+            return True
+        ok = True
+        written = {a.key.name: a for a in call.args if a.key is not None}
+        for other, keys in LOSS_KEYS.items():
+            for key in keys if other != loss else ():
+                if key in LOSS_KEYS[loss]:
+                    continue
+                if key in written:
+                    self.rep.error(body.src, f"argument `{key}` is not used by loss \"{loss}\"", written[key].key,
+                                   hint=f"remove `{key} = ...`; it belongs to loss \"{other}\"")
+                    ok = False
+                p.attrs.pop(key, None)
+                self.written.pop((p.id, key), None)
+        return ok
+
+    def _check_update(self, body: Body, call: ast.Call, what: str, bound: dict[str, int], p: _Pending) -> bool:
+        """What an update trains on must suit its loss: ppo_clip a rollout with `advantages`; sft, dpo and
+        bradley_terry a data node of rows (flowrl.runtime.preference_update); dpo (but simpo) its reference's
+        log-probs. False after reporting every problem."""
+        loss = str(p.attrs.get("loss"))
+        inputs = dict(p.inputs)
+        src = inputs.get("rollout")
+        first = next((a for a in call.args if a.key is None or a.key.name == "rollout"), None)
+        where: ast.Located = first.value if first is not None else call.callee
+        ok = True
+        if loss == "ppo_clip":
+            if "advantages" not in inputs:
+                self.rep.error(body.src, f"missing required argument `advantages` of `{what}`", call.callee,
+                               hint="add `advantages = NAME`")
+                ok = False
+            if src is not None and src not in bound:
+                self.rep.error(body.src, f"loss \"ppo_clip\" trains on a rollout, but `{src}` is a data node", where,
+                               hint=f"generate one first: `rollout = MODEL.generate({src}, ...)`; to train on its "
+                                    "rows write loss = \"sft\" (demonstrations) or \"dpo\" (preference pairs)")
+                ok = False
+            return self._loss_keys(body, call, loss, p) and ok
+        if loss not in DATA_LOSSES:
+            return ok
+        if src is not None and src in bound:
+            self.rep.error(body.src, f"loss \"{loss}\" trains on a data node of rows, but `{src}` is computed in "
+                                     "the step", where,
+                           hint="pass a `data` declaration: rows of prompt/chosen/rejected (dpo, bradley_terry) or "
+                                "prompt/response (sft)")
+            ok = False
+        ok = self._loss_keys(body, call, loss, p) and ok
+        for extra in ("advantages", "old_logp"):
+            if extra in inputs:
+                arg = next(a for a in call.args if a.key is not None and a.key.name == extra)
+                self.rep.error(body.src, f"argument `{extra}` is not used by loss \"{loss}\"", arg.key,
+                               hint=f"remove `{extra} = ...`; it belongs to loss \"ppo_clip\"")
+                ok = False
+        if loss == "dpo" and p.attrs.get("dpo") != "simpo" and "ref_logp" not in inputs:
+            self.rep.error(body.src, f"missing argument `ref_logp` of `{what}`: loss \"dpo\" compares the policy "
+                                     "with its reference", call.callee,
+                           hint=f"add `ref_logp = NAME` with `NAME = REF.logprobs({src or 'pairs'})`, or write "
+                                "dpo = \"simpo\" (no reference)")
+            ok = False
+        return ok
 
     def _callee(self, body: Body, call: ast.Call, bound: dict[str, int]
                 ) -> tuple[Signature, str, str | None, str | None, str | None] | None:
@@ -446,3 +511,15 @@ class StepLowering:
             )
             key[p.id], deps[p.id] = (p.index, 1), [s for _, s in p.inputs]
         return [nodes[n] for n in topological(deps, key)]
+
+
+def may_train(decl: ModelDecl, block: Mapping[str, object]) -> bool:
+    """Whether a step may update `decl`: a trainable model, or a reward model whose `trainable` is not written
+    (it becomes trainable when a step updates it, `trainable_when_updated`)."""
+    return decl.trainable or (decl.role == "reward_model" and "trainable" not in block)
+
+
+def trainable_when_updated(models: list[ModelDecl], nodes: list[Node]) -> list[ModelDecl]:
+    """The declarations with each reward model a step updates made trainable (so it gets an optimizer)."""
+    updated = {n.model for n in nodes if n.op == "update"}
+    return [replace(m, trainable=True) if m.role == "reward_model" and m.name in updated else m for m in models]

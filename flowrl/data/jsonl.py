@@ -1,10 +1,11 @@
-"""JSONL prompt data: reading with file:line errors, and the per-step loader with resumable state."""
+"""JSONL prompt data: reading with file:line errors, the held-out split, and the per-step loader with resumable
+state."""
 
 from __future__ import annotations
 
 import json
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -48,9 +49,35 @@ def read_jsonl(path: str | Path, prompt_key: str = "prompt") -> list[dict[str, A
     return rows
 
 
+def held_out_problem(rows: list[dict[str, Any]], column: str) -> tuple[int, str] | None:
+    """(row number from 1, what is wrong) for the first row whose `held_out` column is missing or not a bool,
+    else None."""
+    for i, row in enumerate(rows, 1):
+        if column not in row:
+            return i, f"row {i} has no column `{column}` (the data's `held_out` column)"
+        if not isinstance(row[column], bool):
+            return i, f"row {i}'s `{column}` is {json.dumps(row[column])}, not true or false"
+    return None
+
+
+def split_held_out(rows: list[dict[str, Any]], column: str | None,
+                   path: str = "") -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(rows to train on, held-out rows): the rows whose bool `column` is true are never served for training,
+    only evaluated on (`held_out = "COLUMN"` on the data). No column: every row trains."""
+    if not column:
+        return rows, []
+    problem = held_out_problem(rows, column)
+    if problem is not None:
+        line, message = problem
+        raise DataError(Diagnostic(message, Loc(path, line, 1) if path else None,
+                                   hint=f"give every row \"{column}\": true (held out) or false (trained on)"))
+    return [r for r in rows if not r[column]], [r for r in rows if r[column]]
+
+
 @dataclass
 class PromptLoader:
-    """Yields `batch` rows per step, reshuffling each epoch; its state is saved in checkpoints."""
+    """Yields `batch` rows per step, reshuffling each epoch; its state is saved in checkpoints. `held_out`:
+    rows never yielded, which a preference update evaluates on (`held_out = "COLUMN"`, `split_held_out`)."""
 
     rows: list[dict[str, Any]]
     batch: int
@@ -59,6 +86,7 @@ class PromptLoader:
     prompt_key: str = "prompt"
     epoch: int = 0
     cursor: int = 0
+    held_out: list[dict[str, Any]] = field(default_factory=list)
 
     def _order(self) -> list[int]:
         order = list(range(len(self.rows)))

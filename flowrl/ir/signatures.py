@@ -112,14 +112,27 @@ GENERATE = Signature(
 LOGPROBS = Signature("logprobs", (_n("rollout"),), op="logprobs")
 VALUES = Signature("values", (_n("rollout"),), op="values")
 SCORE = Signature("score", (_n("rollout"),), op="score")
+# Losses on a data node of rows instead of a rollout (flowrl.runtime.preference_update): a policy's "sft" on
+# demonstrations (prompt/response) and "dpo" on preference pairs (prompt/chosen/rejected), a reward model's
+# "bradley_terry" on pairs. `ppo_clip` alone trains on a rollout and needs `advantages` (dsl/steps.py checks).
+DATA_LOSSES = ("sft", "dpo", "bradley_terry")
+DPO_KINDS = ("sigmoid", "ipo", "simpo")  # = flowrl.algos.preference.DPO_KINDS (ir sits below algos; a test keeps them equal)
+# `eval_every`: a preference update on data with `held_out` rows scores them every N steps (0: never)
+_EVAL = Param("eval_every", "int", default=1, limit=Limit(0, why="0 never evaluates the held-out rows"))
 POLICY_UPDATE = Signature(
     "update",
     (
         _n("rollout"),
-        _n("advantages", positional=False),
+        _n("advantages", required=False, positional=False),  # required by ppo_clip (dsl/steps.py)
         _n("old_logp", required=False, positional=False),
         _n("ref_logp", required=False, positional=False),
-        Param("loss", "str", default="ppo_clip", choices=("ppo_clip",)),
+        Param("loss", "str", default="ppo_clip", choices=("ppo_clip", "sft", "dpo")),
+        Param("beta", "float", default=0.1, limit=ABOVE_ZERO),  # dpo: the implicit reward's scale
+        Param("dpo", "str", default="sigmoid", choices=DPO_KINDS),
+        Param("label_smoothing", "float", default=0.0,
+              limit=Limit(0, 0.5, why="cDPO's ε: the share of labels taken to be flipped; 0 is DPO")),
+        Param("gamma", "float", default=0.5, limit=NON_NEGATIVE),  # dpo = "simpo": the target margin γ
+        _EVAL,
         Param("clip", "float", default=0.2, limit=ABOVE_ZERO),
         Param("clip_high", "float", default=None, limit=ABOVE_ZERO),
         Param("dual_clip", "float", default=None, limit=Limit(1, above=True, why="dual-clip bounds negative "
@@ -148,12 +161,33 @@ CRITIC_UPDATE = Signature(
     op="update",
 )
 
+# A reward model trained on preference pairs (a data node): −log σ(r_chosen − r_rejected − margin).
+REWARD_UPDATE = Signature(
+    "update",
+    (
+        _n("rollout"),
+        Param("loss", "str", default="bradley_terry", choices=("bradley_terry",)),
+        Param("margin", "float", default=0.0),
+        _EVAL,
+    )
+    + _TRAIN_COMMON,
+    op="update",
+)
+
+# A policy update's keys that only one loss reads: a node keeps those of its own loss (the others' defaults are
+# left out of its attrs, so a PPO graph prints as before), and writing another loss's key is an error.
+LOSS_KEYS: dict[str, tuple[str, ...]] = {
+    "ppo_clip": ("clip", "clip_high", "dual_clip", "kl_coef", "kl", "entropy_coef", "is_correction", "is_cap"),
+    "dpo": ("beta", "dpo", "label_smoothing", "gamma", "eval_every"),
+    "sft": (),
+}
+
 # role -> method -> signature
 METHODS: dict[str, dict[str, Signature]] = {
     "policy": {"generate": GENERATE, "logprobs": LOGPROBS, "update": POLICY_UPDATE},
     "reference": {"logprobs": LOGPROBS},
     "critic": {"values": VALUES, "update": CRITIC_UPDATE},
-    "reward_model": {"score": SCORE},
+    "reward_model": {"score": SCORE, "update": REWARD_UPDATE},  # trainable when a step updates it (dsl/steps.py)
 }
 
 # Credit of the group advantages: one advantage per trajectory, or per turn (flowrl.algos.turn_advantages).
@@ -242,6 +276,7 @@ DATA_KEYS: dict[str, tuple[str, Value]] = {
     "shuffle": ("bool", True),
     "prompt_key": ("str", "prompt"),
     "limit": ("int", 0),  # use only the first N rows (0 = all)
+    "held_out": ("str", None),  # a bool column: its true rows are never trained on, only evaluated (none: no column)
 }
 
 SANDBOX = ("auto", "strict")  # code_tests: the best isolation here (warned when degraded), or refuse without it

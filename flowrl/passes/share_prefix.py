@@ -1,10 +1,12 @@
 """Pass `share-prefix` (RLHFless's pre-computed shared prefixes), first in the pass pipeline.
 
 Marks a rollout's `generate` node, every forward over that rollout (`logprobs`, `values`, `score`) and every
-update that trains on it with `share_prefix = true` and `prefix_min_len`. At run time generation prefills each unique prompt once and decodes
-its n samples from copies of that KV cache, and each forward runs each prompt prefix once
-(`flowrl.engines.prefix`): identical prompts (the n samples of one prompt) and prompts whose first
-`prefix_min_len` tokens agree (a system prompt; found with a token trie) share one computation. An update's
+update that trains on it with `share_prefix = true` and `prefix_min_len`; likewise an update on preference
+pairs read from a data node (dpo, bradley_terry) and every forward over that data, since a pair's chosen and
+rejected rows hold one prompt. At run time generation prefills each unique prompt once and decodes its n
+samples from copies of that KV cache, and each forward runs each prompt prefix once (`flowrl.engines.prefix`):
+identical prompts (the n samples of one prompt, a pair's two rows) and prompts whose first `prefix_min_len`
+tokens agree (a system prompt; found with a token trie) share one computation. An update's
 forward (with autograd) runs each prompt once with its samples packed after it, so the prompt's gradient is
 the sum over its samples, as in the unshared forward.
 """
@@ -15,9 +17,10 @@ from flowrl.data.tables import prompt_plain, read_data
 from flowrl.errors import DataError
 from flowrl.ir.attrs import GenerateAttrs
 from flowrl.ir.graph import Graph, Node
-from flowrl.passes.common import DataPrompts, forwards_over, rollouts, updates_over
+from flowrl.passes.common import FORWARD_OPS, DataPrompts, forwards_over, rollouts, updates_over
 from flowrl.passes.registry import register
 
+PAIR_LOSSES = ("dpo", "bradley_terry")  # losses on preference pairs (flowrl.runtime.preference_update)
 MIN_LEN = 16  # tokens: below this a shared prefix saves less than the extra cache pass costs
 SCAN_ROWS = 10_000  # rows of a data file read to find shared prefixes
 
@@ -27,6 +30,11 @@ def prompts_of(graph: Graph, gen: Node) -> DataPrompts | None:
     src = gen.input("prompts")
     if src is None or not graph.has_node(src) or graph.node(src).op != "data":
         return None
+    return data_prompts(graph, src)
+
+
+def data_prompts(graph: Graph, src: str) -> DataPrompts | None:
+    """The prompts of data declaration `src` (None when it cannot be read here)."""
     decl = next((d for d in graph.data if d.name == src), None)
     if decl is None:
         return None
@@ -68,6 +76,42 @@ def _reason(graph: Graph, gen: Node, data: DataPrompts | None) -> str:
     return " and ".join(parts)
 
 
+def pair_updates(graph: Graph) -> list[Node]:
+    """The updates that train on preference pairs straight from a data node (dpo, bradley_terry), in order."""
+    return [n for n in graph.nodes if n.op == "update" and n.attrs.get("loss") in PAIR_LOSSES
+            and graph.has_node(str(n.input("rollout"))) and graph.node(str(n.input("rollout"))).op == "data"]
+
+
+def why_not_share_pairs(graph: Graph, data: str, min_len: int = MIN_LEN) -> str | None:
+    """None when the pairs of data node `data` can share their prompts, else why not. A pair's chosen and
+    rejected rows always hold the same prompt; the one refusal is the generation's: prompts too short."""
+    prompts = data_prompts(graph, data)
+    if prompts is not None and prompts.max_tokens() < min_len:
+        # Every prompt is shorter than the minimum: a second cache pass would cost more than it saves.
+        return f"every prompt in `{data}` is at most {prompts.max_tokens()} tokens, under prefix_min_len = {min_len}"
+    return None
+
+
+def _share_pairs(graph: Graph, marked: dict[str, Node], notes: list[str]) -> None:
+    """Preference pairs: each pair's prompt once in the updates' forwards (the policy's for DPO, the reward
+    model's for Bradley-Terry) and in every forward over the same data (the reference's log-probs)."""
+    for data in dict.fromkeys(str(n.input("rollout")) for n in pair_updates(graph)):
+        reason = why_not_share_pairs(graph, data)
+        if reason is not None:
+            notes.append(f"{data}: not shared: {reason}")
+            continue
+        users = [n for n in graph.nodes if n.input("rollout") == data
+                 and (n.op in FORWARD_OPS or (n.op == "update" and n.attrs.get("loss") in PAIR_LOSSES))]
+        for node in users:
+            engine = graph.model(str(node.model)).engine
+            if engine != "torch":
+                notes.append(f"{node.id}: not shared: {node.model} uses engine {engine!r}")
+                continue
+            marked[node.id] = node.with_attrs(share_prefix=True, prefix_min_len=MIN_LEN)
+        shared = [n.id for n in users if n.id in marked]
+        notes.append(f"{data}: chosen and rejected share each pair's prompt: computed once in {', '.join(shared)}")
+
+
 @register("share-prefix", "compute each shared prompt prefix once and reuse its KV cache "
           "(generation, every forward over the rollout, and the updates' forwards)")
 def share_prompt_prefix(graph: Graph) -> tuple[Graph, list[str]]:
@@ -88,4 +132,5 @@ def share_prompt_prefix(graph: Graph) -> tuple[Graph, list[str]]:
         shared = [n.id for n in users if n.id in marked]
         notes.append(f"{gen.id}: {_reason(graph, gen, prompts_of(graph, gen))}: prefixes computed once in "
                      f"{', '.join(shared)}")
+    _share_pairs(graph, marked, notes)
     return graph.with_nodes([marked.get(n.id, n) for n in graph.nodes]), notes

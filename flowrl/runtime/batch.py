@@ -142,8 +142,13 @@ UPDATE_FIELDS = {"old_logp": "logp", "ref_logp": "logp", "advantages": "advantag
 
 def training_batch(inputs: Mapping[str, Batch]) -> Batch:
     """An update node's inputs as one batch: the rollout's fields the update reads, and each other input under
-    its parameter name (its value field: `old_logp` is a log-prob forward's `logp`, ...)."""
+    its parameter name (its value field: `old_logp` is a log-prob forward's `logp`, ...). A data node's batch (no
+    response tensors: sft, dpo, bradley_terry) keeps its rows for the worker to tokenise; an input with two rows
+    per data row (a forward over preference pairs: chosen at 2i, rejected at 2i + 1) comes as one (2, ...) block
+    per pair, so shuffling and splitting the rows keeps each pair's two rows with it."""
     rollout = inputs["rollout"]
+    if "response_ids" not in rollout.tensors:
+        return _rows_batch(rollout, {k: v for k, v in inputs.items() if k != "rollout"})
     tensors: dict[str, torch.Tensor] = {k: rollout[k] for k in ("prompt_ids", "prompt_mask", "response_ids", "response_mask",
                                         "temperature", "group_id", "gen_logp", "loss_mask") if k in rollout.tensors}
     for param, batch in inputs.items():
@@ -151,3 +156,16 @@ def training_batch(inputs: Mapping[str, Batch]) -> Batch:
             continue
         tensors[param] = batch.value(param if param in batch.tensors else UPDATE_FIELDS.get(param))
     return Batch(rollout.size, tensors, {}, None)
+
+
+def _rows_batch(data: Batch, others: Mapping[str, Batch]) -> Batch:
+    tensors: dict[str, torch.Tensor] = {}
+    for param, batch in others.items():
+        t = batch.value(param if param in batch.tensors else UPDATE_FIELDS.get(param))
+        if t.shape[0] == 2 * data.size:
+            t = t.reshape(data.size, 2, *t.shape[1:])  # (B, 2, ...): pair i's chosen and rejected rows
+        elif t.shape[0] != data.size:
+            raise ValueError(f"`{param}` has {t.shape[0]} rows for {data.size} data rows (expected one or two per row)")
+        tensors[param] = t
+    meta = {k: list(data.meta[k]) for k in ("prompt", "row", "prompt_id") if k in data.meta}
+    return Batch(data.size, tensors, meta, None)

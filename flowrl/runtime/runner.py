@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from flowrl.data.jsonl import PromptLoader
+from flowrl.data.jsonl import PromptLoader, split_held_out
 from flowrl.data.tables import read_data
 from flowrl.errors import Diagnostic, FlowError
 from flowrl.ir.graph import Graph
@@ -64,8 +64,9 @@ def loaders_of(graph: Graph, seed: int) -> dict[str, PromptLoader]:
         key = str(opts.get("prompt_key", "prompt"))
         rows = read_data(d.kind, d.path, key)
         limit = int(opts.get("limit", 0) or 0)
-        loaders[d.name] = PromptLoader(rows[:limit] if limit else rows, int(opts.get("batch", 8)),
-                                       bool(opts.get("shuffle", True)), seed, key)
+        train, held = split_held_out(rows[:limit] if limit else rows, opts.get("held_out"), d.path)
+        loaders[d.name] = PromptLoader(train, int(opts.get("batch", 8)), bool(opts.get("shuffle", True)), seed, key,
+                                       held_out=held)
     return loaders
 
 

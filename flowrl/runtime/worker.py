@@ -40,6 +40,7 @@ from flowrl.runtime.chunks import (
 )
 from flowrl.runtime.env_rollout import EnvPools, env_generate, env_spec_of, env_stream
 from flowrl.runtime.preference import with_last_slot
+from flowrl.runtime.preference_update import PairUpdate, is_data_batch, token_rows, update_on_rows
 from flowrl.runtime.schedule import Turn, interleave, taking_turns
 from flowrl.runtime.transport import pack, unpack
 
@@ -241,7 +242,16 @@ class ModelWorker:
         d = self.device
         return tuple(rollout[k].to(d) for k in ("prompt_ids", "prompt_mask", "response_ids", "response_mask"))
 
+    def token_rows(self, model: str, batch: Batch) -> Batch:
+        """A data node's rows tokenised as `model`'s update on them does (flowrl.runtime.preference_update): a
+        forward over the data lines up row for row with the update's rows. A rollout is returned as it is."""
+        if not is_data_batch(batch):
+            return batch
+        enc = self.prompt_encoder(model)
+        return token_rows(batch, enc.tokenizer, enc.context)
+
     def logprobs(self, model: str, rollout: Batch, attrs: Mapping[str, Any]) -> Batch:
+        rollout = self.token_rows(model, rollout)
         temp = float(rollout["temperature"][0]) if "temperature" in rollout.tensors else 1.0
         module, a = self.models[model].module, ForwardAttrs.of(attrs)
         micro = a.micro_batch
@@ -271,6 +281,7 @@ class ModelWorker:
         """Reward-model score: the value head on the hidden state of each sample's last response token, so the
         score has read the whole response (as `flowrl.runtime.preference.pair_scores`, which trains it, and TRL's
         and OpenRLHF's reward models read it)."""
+        rollout = self.token_rows(model, rollout)
         prompt_ids, prompt_mask, response_ids, response_mask = self._inputs(rollout)
         return rollout.derive("scores", scores=self._last_token_scores(
             model, prompt_ids, prompt_mask, response_ids, response_mask, attrs).cpu())
@@ -323,6 +334,12 @@ class ModelWorker:
         module = forward_module(engine)  # DeepSpeed's wrapper when engine = "deepspeed"
         a = UpdateAttrs.of(attrs)
         engine.set_max_grad_norm(a.max_grad_norm)
+        if is_data_batch(batch):  # sft, dpo, bradley_terry on a data node's rows (flowrl.runtime.preference_update)
+            enc = self.prompt_encoder(model)
+            job = PairUpdate(module, enc.tokenizer, enc.context, self.device)
+            out = update_on_rows(job, engine, batch, attrs, step_seed=step_seed, turn=turn, model=model)
+            self._updated(model)
+            return out
         epochs, parts, micro = a.epochs, max(1, a.mini_batches), a.micro_batch
         gen = torch.Generator().manual_seed(step_seed)
         sums: dict[str, float] = {}
@@ -344,10 +361,13 @@ class ModelWorker:
                 for k, v in metrics.items():
                     sums[k] = sums.get(k, 0.0) + float(v)
                 count += 1
+        self._updated(model)
+        return {k: v / max(count, 1) for k, v in sums.items()}
+
+    def _updated(self, model: str) -> None:
         weights_changed(self.models[model].module)  # its cached prompts (share-prefix) are stale now
         if model in self.generators:  # vLLM holds its own copy of the weights: push the new ones
             self.generators[model].load_weights(self.models[model].module.state_dict())
-        return {k: v / max(count, 1) for k, v in sums.items()}
 
     def update_fused(self, models: Sequence[str], batches: Sequence[Batch], attrs: Sequence[Mapping[str, Any]], *,
                      step_seeds: Sequence[int]) -> dict[str, Any]:

@@ -26,6 +26,16 @@ reward reward = "flowrl.rewards.arith_exact"
 data prompts = jsonl("data/arith.jsonl")
 use NAME()
 """
+# The preference templates' flow (sft, reward_model, dpo): demonstrations and pairs instead of prompts.
+PREFERENCE_FLOW = """\
+model actor : policy { source = "tiny:gpt2" }
+model ref : reference { source = actor }
+model rm : reward_model { source = actor }
+data pairs = jsonl("../../../examples/data/sum_pairs.jsonl") { held_out = "held_out" }
+data demos = jsonl("../../../examples/data/sum_demos.jsonl")
+use NAME()
+"""
+PREFERENCE_TEMPLATES = ("dpo", "reward_model", "sft")
 
 
 def check_golden(name: str, graph: Graph, update: bool) -> None:
@@ -58,13 +68,14 @@ def test_shipped_example_compiles(path: Path, update_golden: bool) -> None:
 
 @pytest.mark.parametrize("name", flowrl.dsl.stdlib_names())
 def test_stdlib_template_compiles(name: str, update_golden: bool) -> None:
-    graph = flowrl.dsl.compile_flow(STDLIB_FLOW.replace("NAME", name), str(FLOWS / f"stdlib_{name}.flow"))
+    flow = PREFERENCE_FLOW if name in PREFERENCE_TEMPLATES else STDLIB_FLOW
+    graph = flowrl.dsl.compile_flow(flow.replace("NAME", name), str(FLOWS / f"stdlib_{name}.flow"))
     assert graph.template == name
     check_golden(f"stdlib_{name}", graph, update_golden)
 
 
 def test_stdlib_names() -> None:
-    assert flowrl.dsl.stdlib_names() == ["grpo", "ppo", "reinforce_pp", "rloo"]
+    assert flowrl.dsl.stdlib_names() == ["dpo", "grpo", "ppo", "reinforce_pp", "reward_model", "rloo", "sft"]
 
 
 def test_load_from_another_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -65,7 +65,7 @@ def test_stdlib_parameters_match_the_language_table(name: str, compile_ok: Compi
 
 
 def test_template_source_and_names() -> None:
-    assert stdlib_names() == ["grpo", "ppo", "reinforce_pp", "rloo"]
+    assert stdlib_names() == ["dpo", "grpo", "ppo", "reinforce_pp", "reward_model", "rloo", "sft"]
     text = template_source("grpo")
     assert "template grpo(actor: policy, ref: reference, reward, prompts," in text
     assert "adv      = group_advantage(scores, group = group, turns = turns)" in text

@@ -1,0 +1,212 @@
+"""A model's update on data rows (flowrl.runtime): `loss = "sft"` on demonstrations, `"dpo"` on preference pairs
+for a policy, `"bradley_terry"` on pairs for a reward model — what `ModelWorker.update` hands these losses to.
+
+The update gets the data node's rows (flowrl.runtime.batch.training_batch keeps them; a DPO update also gets its
+reference's log-probs, one (2, T) block per pair) and tokenises them with the model's tokenizer and context
+(flowrl.runtime.pairs: chosen at row 2i, rejected at 2i + 1), as `logprobs` and `score` do over the same data,
+so the reference's rows line up with the update's. It shuffles by pair (a pair's two rows stay together), runs
+epochs x mini-batches of `TrainEngine.step` with the micro losses of flowrl.runtime.preference (`micro_batch`
+counts rows, rounded to whole pairs), and then, with held-out rows (`held_out` on the data, passed in `attrs`
+by the controller), evaluates on them: `eval_accuracy` for a reward model, `eval/rewards/accuracies` and
+`eval/loss` for DPO.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from flowrl.algos.preference import bradley_terry_loss, dpo_loss, sequence_logp
+from flowrl.engines.forward import forward_logprobs
+from flowrl.engines.training import all_reduce_sum, data_parallel_world
+from flowrl.ir.attrs import UpdateAttrs
+from flowrl.ir.signatures import POLICY_UPDATE, REWARD_UPDATE
+from flowrl.models.tokenizer import Tokenizer
+from flowrl.runtime.batch import Batch
+from flowrl.runtime.pairs import demo_batch, pair_batch
+from flowrl.runtime.preference import dpo_micro_loss, pair_scores, reward_micro_loss, sft_micro_loss
+from flowrl.runtime.schedule import Turn, taking_turns
+
+__all__ = ["EVAL_REF", "EVAL_ROWS", "PairUpdate", "fit_width", "is_data_batch", "pair_order", "token_rows",
+           "update_on_rows"]
+
+PAIR_LOSSES = ("dpo", "bradley_terry")
+EVAL_ROWS = "eval_rows"  # attrs key: the held-out rows the controller passes after a step's update
+EVAL_REF = "eval_ref_logp"  # attrs key: the reference's (2E, T) log-probs of those rows (DPO but simpo)
+_INPUTS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask")
+
+
+def is_data_batch(batch: Batch) -> bool:
+    """A data node's batch (rows, no tokens yet), not a rollout."""
+    return "response_ids" not in batch.tensors and "row" in batch.meta
+
+
+def rows_batch(rows: Sequence[Mapping[str, Any]]) -> Batch:
+    return Batch(len(rows), {}, {"prompt": [str(r.get("prompt", "")) for r in rows], "row": list(rows)})
+
+
+def token_rows(batch: Batch, tokenizer: Tokenizer, context: int) -> Batch:
+    """A data batch as token rows: preference rows (prompt/chosen/rejected) as 2B pair rows, demonstrations
+    (prompt/response) as B rows."""
+    rows: list[Mapping[str, Any]] = batch.meta["row"]
+    if all("chosen" in r and "rejected" in r for r in rows):
+        return pair_batch(batch, tokenizer, context)
+    if all("response" in r for r in rows):
+        return demo_batch(batch, tokenizer, context)
+    keys = sorted(set().union(*(r.keys() for r in rows))) if rows else []
+    raise ValueError(f"data rows need `prompt`, `chosen`, `rejected` (preference pairs) or `prompt`, `response` "
+                     f"(demonstrations); these have {', '.join(keys) or 'no columns'}")
+
+
+def fit_width(t: Tensor, width: int) -> Tensor:
+    """(R, T) -> (R, width): responses are right-padded, so their tokens sit in the first columns whatever the
+    padding; cut the rest or pad with zeros (a forward over another split of the rows padded them wider)."""
+    if t.shape[1] >= width:
+        return t[:, :width]
+    return torch.cat([t, t.new_zeros(t.shape[0], width - t.shape[1])], dim=1)
+
+
+def pair_order(units: int, per: int, *, epochs: int, parts: int, gen: torch.Generator) -> list[list[list[int]]]:
+    """Row indices of each mini-batch of each epoch: `units` pairs (or demonstrations) of `per` rows each,
+    shuffled by unit when there is more than one mini-batch or epoch, so a pair's rows stay together."""
+    out = []
+    for _ in range(epochs):
+        order = torch.randperm(units, generator=gen) if epochs > 1 or parts > 1 else torch.arange(units)
+        bounds = [round(i * units / parts) for i in range(parts + 1)]
+        out.append([[int(u) * per + k for u in order[a:b].tolist() for k in range(per)]
+                    for a, b in zip(bounds, bounds[1:], strict=False) if b > a])
+    return out
+
+
+@dataclass(frozen=True)
+class PairUpdate:
+    """What one update on rows needs from the worker: the model to train (a value model for bradley_terry),
+    its tokenizer and context, and its device."""
+
+    module: nn.Module
+    tokenizer: Tokenizer
+    context: int
+    device: torch.device
+
+
+def _param(attrs: Mapping[str, Any], name: str, loss: str) -> Any:
+    sig = REWARD_UPDATE if loss == "bradley_terry" else POLICY_UPDATE
+    value = attrs.get(name)
+    if value is None:
+        p = sig.param(name)
+        value = p.default if p is not None else None
+    return value
+
+
+def _global(values: list[float], device: torch.device) -> list[float]:
+    """Sums over the data-parallel ranks (a mini-batch's pairs or tokens), else the values."""
+    if data_parallel_world() > 1:
+        summed = all_reduce_sum(values, device)
+        return [float(v) for v in summed]
+    return values
+
+
+def update_on_rows(job: PairUpdate, engine: Any, batch: Batch, attrs: Mapping[str, Any], *, step_seed: int,
+                   turn: Turn | None = None, model: str = "") -> dict[str, float]:
+    """One `update` node on a data batch (see the module docstring); returns the mean metrics of its optimizer
+    steps, plus the held-out evaluation's when `attrs` carries held-out rows."""
+    a = UpdateAttrs.of(attrs)
+    loss = str(attrs.get("loss"))
+    rows = token_rows(batch, job.tokenizer, job.context)
+    per = 2 if loss in PAIR_LOSSES else 1
+    if per == 2 and "pair_side" not in rows.tensors:
+        raise ValueError(f"loss \"{loss}\" trains on preference pairs (prompt/chosen/rejected), got demonstrations")
+    if per == 1 and "pair_side" in rows.tensors:
+        raise ValueError("loss \"sft\" trains on demonstrations (prompt/response), got preference pairs")
+    width = rows["response_ids"].shape[1]
+    if "ref_logp" in batch.tensors:  # (B, 2, T'): one block per pair -> (2B, T) on the update's rows
+        ref = batch["ref_logp"]
+        rows.tensors["ref_logp"] = fit_width(ref.reshape(rows.size, ref.shape[-1]), width)
+    share = a.prefix_min_len if a.share_prefix else 0
+    micro_rows = per * max(1, round(a.micro_batch / per)) if a.micro_batch > 0 else 0  # whole pairs
+    gen = torch.Generator().manual_seed(step_seed)
+    sums: dict[str, float] = {}
+    count = 0
+    for epoch in pair_order(batch.size, per, epochs=a.epochs, parts=max(1, a.mini_batches), gen=gen):
+        for index in epoch:
+            mini = rows.select(index)
+            step_loss = _micro_loss(job, loss, mini, attrs, share)
+            if turn is not None:  # fuse-train: wait for this model's turn before each micro-batch
+                step_loss = taking_turns(step_loss, turn, model)
+            metrics = engine.step(mini.chunks(micro_rows), step_loss)
+            for k, v in metrics.items():
+                sums[k] = sums.get(k, 0.0) + float(v)
+            count += 1
+    out = {k: v / max(count, 1) for k, v in sums.items()}
+    held = attrs.get(EVAL_ROWS)
+    if held:
+        out.update(evaluate(job, loss, rows_batch(held), attrs))
+    return out
+
+
+def _micro_loss(job: PairUpdate, loss: str, mini: Batch, attrs: Mapping[str, Any],
+                share: int) -> Callable[[Batch], tuple[Tensor, dict[str, Any]]]:
+    if loss == "sft":
+        (tokens,) = _global([float(mini["response_mask"].sum())], job.device)
+        return partial(_sft, job.module, num_tokens=tokens)
+    (pairs,) = _global([float(mini.size // 2)], job.device)
+    if loss == "bradley_terry":
+        return partial(_rm, job.module, num_pairs=int(pairs), margin=float(_param(attrs, "margin", loss)),
+                       share=share)
+    kind = str(_param(attrs, "dpo", loss))
+    return partial(_dpo, job.module, num_pairs=int(pairs), beta=float(_param(attrs, "beta", loss)), kind=kind,
+                   label_smoothing=float(_param(attrs, "label_smoothing", loss)),
+                   gamma=float(_param(attrs, "gamma", loss)), share=share)
+
+
+def _sft(module: nn.Module, mb: Batch, *, num_tokens: float) -> tuple[Tensor, dict[str, float]]:
+    return sft_micro_loss(module, mb, num_tokens=num_tokens)
+
+
+def _rm(module: nn.Module, mb: Batch, *, num_pairs: int, margin: float,
+        share: int) -> tuple[Tensor, dict[str, float]]:
+    return reward_micro_loss(module, mb, num_pairs=num_pairs, margin=margin, share=share)
+
+
+def _dpo(module: nn.Module, mb: Batch, *, num_pairs: int, beta: float, kind: str, label_smoothing: float,
+         gamma: float, share: int) -> tuple[Tensor, dict[str, Any]]:
+    ref = mb["ref_logp"] if "ref_logp" in mb.tensors else None
+    if ref is None and kind != "simpo":
+        raise ValueError(f"dpo = \"{kind}\" needs the reference's log-probs (ref_logp)")
+    return dpo_micro_loss(module, mb, num_pairs=num_pairs, ref_logp=ref, beta=beta, kind=kind,
+                          label_smoothing=label_smoothing, gamma=gamma, share=share)
+
+
+def evaluate(job: PairUpdate, loss: str, held: Batch, attrs: Mapping[str, Any]) -> dict[str, float]:
+    """The held-out pairs scored after the step: a reward model's accuracy (chosen scored above rejected), or
+    DPO's loss and implicit-reward accuracy against the reference's log-probs of the same rows."""
+    if loss not in PAIR_LOSSES:
+        return {}
+    pairs = token_rows(held, job.tokenizer, job.context)
+    with torch.no_grad():
+        if loss == "bradley_terry":
+            scores = pair_scores(job.module, pairs)  # (2E,)
+            _, m = bradley_terry_loss(scores[0::2], scores[1::2], margin=float(_param(attrs, "margin", loss)))
+            return {"eval_accuracy": m["accuracy"], "eval_loss": m["loss"]}
+        kind = str(_param(attrs, "dpo", loss))
+        inputs = [pairs[k].to(job.device) for k in _INPUTS]
+        mean = kind in ("ipo", "simpo")  # length-normalised, as the update (flowrl.runtime.preference)
+        seq = sequence_logp(forward_logprobs(job.module, *inputs), inputs[3], mean=mean)  # (2E,)
+        ref_c = ref_r = None
+        ref = attrs.get(EVAL_REF)
+        if kind != "simpo":
+            if ref is None:
+                return {}
+            ref_seq = sequence_logp(fit_width(torch.as_tensor(ref), inputs[3].shape[1]).to(seq.device), inputs[3],
+                                    mean=mean)
+            ref_c, ref_r = ref_seq[0::2], ref_seq[1::2]
+        _, m = dpo_loss(seq[0::2], seq[1::2], ref_c, ref_r, beta=float(_param(attrs, "beta", loss)), kind=kind,
+                        label_smoothing=float(_param(attrs, "label_smoothing", loss)),
+                        gamma=float(_param(attrs, "gamma", loss)))
+    return {"eval/loss": m["loss"], "eval/rewards/accuracies": m["rewards/accuracies"],
+            "eval/rewards/margins": m["rewards/margins"]}
