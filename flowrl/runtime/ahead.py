@@ -169,14 +169,14 @@ class Ahead:
         self.ctl.finish(step, values, result, counts=False)
         stale = (step - 1 - values[self.gen_id][VERSION]).float()  # updates between generation and now
         tokens = values[self.gen_id].tensors.get(TOKEN_VERSION)
-        generated = tokens >= 0 if tokens is not None else None
+        per_token = stale.mean()
+        if tokens is not None and bool((tokens >= 0).any()):  # over the tokens trained on
+            per_token = (step - 1 - tokens[tokens >= 0]).float().mean()
         result.metrics.update({
             "async/version": float(ahead.version),
             "async/staleness_mean": float(stale.mean()),
             "async/staleness_max": float(stale.max()),
-            # over the tokens trained on: each token's updates since the version that generated it
-            "async/staleness_tokens_mean": float((step - 1 - tokens[generated]).float().mean())
-            if tokens is not None and bool(generated.any()) else float(stale.mean()),
+            "async/staleness_tokens_mean": float(per_token),  # each token's updates since its version
             "async/train_idle_s": start - began,
             "async/queue_wait_s": start - ahead.done_at if ahead.done_at is not None else 0.0,
         })
