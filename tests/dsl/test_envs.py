@@ -126,12 +126,13 @@ def test_the_keys_match_the_envs_contract() -> None:
     assert set(TOOL_KEYS) - {"max_total", "end"} <= spec_fields
 
 
-def test_fuse_gen_inference_refuses_an_env_generate(compile_ok: Compile) -> None:
+def test_fuse_gen_inference_streams_an_env_generate(compile_ok: Compile) -> None:
+    """Its forwards run while every live trajectory waits on its environment (colocated ones too)."""
     out = optimize(compile_ok(MODELS + ENV + "use grpo(group = 2, max_tokens = 4, env = count)\n"))
     rec = next(p for p in out.passes if p.name == "fuse-gen-inference")
-    assert not rec.changed
-    assert "rollout: not fused: generate runs an environment (count): its trajectories are returned together" in \
-        rec.notes
+    assert rec.changed
+    assert list(rec.notes) == ["rollout: hands out finished trajectories whenever every live one waits on its environment "
+                         "(count), and at the end; ref_logp on worker group colocated run on them during those waits"]
 
 
 def test_viz_draws_the_environment_loop(compile_ok: Compile) -> None:
