@@ -20,7 +20,7 @@ from flowrl.runtime.batch import Batch, training_batch
 from flowrl.runtime.functions import call_function
 from flowrl.runtime.fusion import StageRun, run_stage
 from flowrl.runtime.lengths import LengthTracker
-from flowrl.runtime.preference_update import EVAL_REF, EVAL_ROWS
+from flowrl.runtime.preference_update import EVAL_REF
 from flowrl.runtime.protocol import RankLostError, WorkerGroup
 from flowrl.runtime.scoring import Scorer
 
@@ -61,6 +61,7 @@ class Controller:
         self.declined: dict[str, str] = {}  # fused stages this backend runs unfused: node id -> why
         self.lengths = LengthTracker(graph)  # how well response lengths were predicted (checkpointed)
         self.own_sync: set[str] = set()  # models whose weight sync the caller drives (an asynchronous run's)
+        self.step_now = 0  # the step run_nodes runs (a held-out evaluation's `eval_every` counts it)
         self.held_out_ref: dict[str, torch.Tensor] = {}  # a frozen reference's log-probs of held-out rows, by node
 
     def step_seed(self, step: int, node: Node) -> int:
@@ -78,6 +79,7 @@ class Controller:
         """Run `nodes` (in schedule order; a fused stage's members all run when its first is reached) on
         `values`, adding their outputs to it and their spans and metrics to `result`."""
         finished: set[str] = set()
+        self.step_now = step
         for node in nodes:
             if node.id in finished:  # already ran as a member of a fused stage
                 continue
@@ -181,38 +183,40 @@ class Controller:
                               dispatch=node.dispatch).result()
         if node.op == "update":
             batch = training_batch(inputs)
-            attrs.update(self.held_out_attrs(node, step))
             out = group.call("update", node.model, batch, attrs, dispatch=node.dispatch,
                              step_seed=self.step_seed(step, node)).result()
             self.record_update(node, out, metrics)
             return None
         raise ValueError(f"unknown op {node.op!r}")
 
-    def held_out_attrs(self, node: Node, step: int) -> dict[str, Any]:
-        """What a preference update on data with `held_out` rows evaluates on after its step (every `eval_every`
-        steps): the rows, and for DPO its reference's log-probs of them (computed once while the reference is
-        frozen), as flowrl.runtime.preference_update reads them."""
+    def held_out_metrics(self, node: Node) -> dict[str, float]:
+        """A preference update on data with `held_out` rows, every `eval_every` steps: the model scores those
+        rows after its step (the worker's `evaluate`; DPO against its reference's log-probs of them, computed
+        once while the reference is frozen). Its metrics, as the update's (`eval_accuracy`, `eval/...`)."""
         loader = self.loaders.get(str(node.input("rollout")))
         every = int(str(node.attrs.get("eval_every", 1) or 0))
-        if loader is None or not loader.held_out or every <= 0 or step % every:
+        if loader is None or not loader.held_out or every <= 0 or self.step_now % every:
             return {}
         if node.attrs.get("loss") not in ("dpo", "bradley_terry"):
             return {}
-        out: dict[str, Any] = {EVAL_ROWS: loader.held_out}
+        rows = _prompt_batch(PromptLoader(loader.held_out, len(loader.held_out), False, 0, loader.prompt_key))
+        attrs = dict(node.attrs)
         ref = node.input("ref_logp")
         if ref is not None and self.graph.has_node(ref):
             fwd = self.graph.node(ref)
             cached = self.held_out_ref.get(fwd.id)
             if cached is None:
-                rows = _prompt_batch(PromptLoader(loader.held_out, len(loader.held_out), False, 0, loader.prompt_key))
                 cached = self.groups[fwd.worker_group].call("logprobs", fwd.model, rows, dict(fwd.attrs),
                                                             dispatch=fwd.dispatch).result()["logp"]
                 if not self.graph.model(str(fwd.model)).trainable:
                     self.held_out_ref[fwd.id] = cached
-            out[EVAL_REF] = cached
+            attrs[EVAL_REF] = cached
+        out: dict[str, float] = self.groups[node.worker_group].call("evaluate", node.model, rows, attrs,
+                                                                    dispatch="rank0").result()
         return out
 
     def record_update(self, node: Node, out: Mapping[str, float], metrics: dict[str, float]) -> None:
+        out = {**out, **self.held_out_metrics(node)}
         metrics.update({f"{node.model}/{k}": float(v) for k, v in out.items()})
         if self.graph.model(str(node.model)).role == "policy" and "loss" in out:
             metrics["loss"] = float(out["loss"])

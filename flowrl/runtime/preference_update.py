@@ -6,9 +6,9 @@ reference's log-probs, one (2, T) block per pair) and tokenises them with the mo
 (flowrl.runtime.pairs: chosen at row 2i, rejected at 2i + 1), as `logprobs` and `score` do over the same data,
 so the reference's rows line up with the update's. It shuffles by pair (a pair's two rows stay together), runs
 epochs x mini-batches of `TrainEngine.step` with the micro losses of flowrl.runtime.preference (`micro_batch`
-counts rows, rounded to whole pairs), and then, with held-out rows (`held_out` on the data, passed in `attrs`
-by the controller), evaluates on them: `eval_accuracy` for a reward model, `eval/rewards/accuracies` and
-`eval/loss` for DPO.
+counts rows, rounded to whole pairs). `evaluate` scores held-out rows (`held_out` on the data; the controller
+calls the worker's `evaluate` after the update): `eval_accuracy` for a reward model, `eval/rewards/accuracies`
+and `eval/loss` for DPO.
 """
 
 from __future__ import annotations
@@ -32,12 +32,11 @@ from flowrl.runtime.pairs import demo_batch, pair_batch
 from flowrl.runtime.preference import dpo_micro_loss, pair_scores, reward_micro_loss, sft_micro_loss
 from flowrl.runtime.schedule import Turn, taking_turns
 
-__all__ = ["EVAL_REF", "EVAL_ROWS", "PairUpdate", "fit_width", "is_data_batch", "pair_order", "token_rows",
-           "update_on_rows"]
+__all__ = ["EVAL_REF", "PairUpdate", "evaluate", "fit_width", "is_data_batch", "pair_order", "rows_batch",
+           "token_rows", "update_on_rows"]
 
 PAIR_LOSSES = ("dpo", "bradley_terry")
-EVAL_ROWS = "eval_rows"  # attrs key: the held-out rows the controller passes after a step's update
-EVAL_REF = "eval_ref_logp"  # attrs key: the reference's (2E, T) log-probs of those rows (DPO but simpo)
+EVAL_REF = "eval_ref_logp"  # `evaluate`'s attrs key: the reference's (2E, T) log-probs of the held-out rows
 _INPUTS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask")
 
 
@@ -142,11 +141,7 @@ def update_on_rows(job: PairUpdate, engine: Any, batch: Batch, attrs: Mapping[st
             for k, v in metrics.items():
                 sums[k] = sums.get(k, 0.0) + float(v)
             count += 1
-    out = {k: v / max(count, 1) for k, v in sums.items()}
-    held = attrs.get(EVAL_ROWS)
-    if held:
-        out.update(evaluate(job, loss, rows_batch(held), attrs))
-    return out
+    return {k: v / max(count, 1) for k, v in sums.items()}
 
 
 def _micro_loss(job: PairUpdate, loss: str, mini: Batch, attrs: Mapping[str, Any],
@@ -182,9 +177,11 @@ def _dpo(module: nn.Module, mb: Batch, *, num_pairs: int, beta: float, kind: str
                           label_smoothing=label_smoothing, gamma=gamma, share=share)
 
 
-def evaluate(job: PairUpdate, loss: str, held: Batch, attrs: Mapping[str, Any]) -> dict[str, float]:
-    """The held-out pairs scored after the step: a reward model's accuracy (chosen scored above rejected), or
-    DPO's loss and implicit-reward accuracy against the reference's log-probs of the same rows."""
+def evaluate(job: PairUpdate, held: Batch, attrs: Mapping[str, Any]) -> dict[str, float]:
+    """The held-out pairs `held` (data rows) scored after an update with `attrs`: a reward model's accuracy
+    (chosen scored above rejected) and loss, or DPO's loss and implicit-reward accuracy against the reference's
+    log-probs of the same rows (`attrs[EVAL_REF]`, (2E, T))."""
+    loss = str(attrs.get("loss"))
     if loss not in PAIR_LOSSES:
         return {}
     pairs = token_rows(held, job.tokenizer, job.context)

@@ -40,7 +40,7 @@ from flowrl.runtime.chunks import (
 )
 from flowrl.runtime.env_rollout import EnvPools, env_generate, env_spec_of, env_stream
 from flowrl.runtime.preference import with_last_slot
-from flowrl.runtime.preference_update import PairUpdate, is_data_batch, token_rows, update_on_rows
+from flowrl.runtime.preference_update import PairUpdate, evaluate, is_data_batch, token_rows, update_on_rows
 from flowrl.runtime.schedule import Turn, interleave, taking_turns
 from flowrl.runtime.transport import pack, unpack
 
@@ -368,6 +368,12 @@ class ModelWorker:
         weights_changed(self.models[model].module)  # its cached prompts (share-prefix) are stale now
         if model in self.generators:  # vLLM holds its own copy of the weights: push the new ones
             self.generators[model].load_weights(self.models[model].module.state_dict())
+
+    def evaluate(self, model: str, rows: Batch, attrs: Mapping[str, Any]) -> dict[str, float]:
+        """Held-out preference rows scored by `model` as the update with `attrs` trains it (no gradients)."""
+        enc = self.prompt_encoder(model)
+        module = forward_module(self.trainers[model]) if model in self.trainers else self.models[model].module
+        return evaluate(PairUpdate(module, enc.tokenizer, enc.context, self.device), rows, attrs)
 
     def update_fused(self, models: Sequence[str], batches: Sequence[Batch], attrs: Sequence[Mapping[str, Any]], *,
                      step_seeds: Sequence[int]) -> dict[str, Any]:
