@@ -31,6 +31,7 @@ from flowrl.backends.serverless.env_host import RemoteEnvs, remote_env_host
 from flowrl.elastic.env_wait import EnvWaitPredictor, should_release
 from flowrl.elastic.plan import start_overhead
 from flowrl.engines.turns import Parked, Suspended, TurnChunk, resume_turns, stream_turns
+from flowrl.errors import Diagnostic, ExecutionError
 from flowrl.ir.attrs import GenerateAttrs
 from flowrl.runtime.batch import Batch
 from flowrl.runtime.chunks import assemble
@@ -174,8 +175,13 @@ class EnvRelease:
             how, extra = RESUME, {"rows": part.parked}
             resumed += len(part.parked)
         failed = ray.get(host.failed.remote())
-        if failed is not None:
-            raise RuntimeError(f"environment failed: {failed}")
+        if failed is not None:  # on_error = "raise" (or a class that could not start): a run error naming the env
+            spec = env_spec_of(attrs)
+            assert spec is not None
+            where = str(attrs.get("env_at") or "")
+            raise ExecutionError(Diagnostic(f"{spec.kind} `{spec.name}`{f' (declared at {where})' if where else ''}: "
+                                            f"{failed}", hint='on_error = "observe" shows the policy the error and '
+                                            '"end" ends the trajectory; the run goes on'))
         chunks = [c for p in parts for c in p.chunks]
         out = assemble(chunks, [c["sample"] for c in chunks])
         out.tensors["group_id"] = torch.arange(out.size) // GenerateAttrs.of(attrs).n

@@ -14,6 +14,7 @@ import pytest
 
 import flowrl
 from flowrl import backends
+from flowrl.errors import ExecutionError
 from flowrl.runtime.batch import Batch
 
 pytestmark = [pytest.mark.ray, pytest.mark.usefixtures("ray_session")]
@@ -33,6 +34,11 @@ class Sleepy:
         time.sleep(1.0)
         self.left -= 1
         return "=" + str(len(action) % 10), float(action.endswith("+")), self.left <= 0
+
+
+class Broken(Sleepy):
+    def step(self, action):
+        raise ValueError("no such move")
 '''
 FLOW = """\
 model actor : policy { source = "tiny:gpt2", layers = 1, dim = 32, heads = 2, charset = "0123456789+=", lr = 1e-3,
@@ -44,12 +50,12 @@ use grpo(group = 2, max_tokens = 4, env = game)
 """
 
 
-def _generate(tmp: Path, backend: str) -> tuple[Batch, dict[str, float]]:
+def _generate(tmp: Path, backend: str, flow: str = FLOW) -> tuple[Batch, dict[str, float]]:
     tmp.mkdir()
     (tmp / "data.jsonl").write_text("".join(json.dumps({"prompt": f"{a}+{b}", "answer": a + b}) + "\n"
                                             for a in range(3) for b in range(2)))
     (tmp / "envs_sleepy.py").write_text(ENV)
-    (tmp / "game.flow").write_text(FLOW)
+    (tmp / "game.flow").write_text(flow)
     graph = flowrl.load(str(tmp / "game.flow"))
     be = backends.make(backend)
     groups = be.start(graph, seed=0, device="cpu")
@@ -82,3 +88,9 @@ def test_parked_trajectories_resume_on_another_instance_with_the_local_samples(t
     assert served["group_id"].tolist() == local["group_id"].tolist()
     # every resumed row prefilled its history once more: more prefill in all than the local run's
     assert int(served["prefill_tokens"].sum()) > int(local["prefill_tokens"].sum())
+
+
+def test_an_environment_that_fails_under_on_error_raise_is_a_run_error_naming_it(tmp_path: Path) -> None:
+    flow = FLOW.replace("envs_sleepy.Sleepy", "envs_sleepy.Broken").replace("timeout = 30", 'timeout = 30, on_error = "raise"')
+    with pytest.raises(ExecutionError, match=r"env `game` \(declared at .*game.flow:5:1\): .*raised ValueError: no such move"):
+        _generate(tmp_path / "serverless", "serverless", flow)
