@@ -258,7 +258,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from flowrl import backends, cli_stages
     from flowrl.dsl.stages import Pipeline
     from flowrl.runtime import interrupt
-    from flowrl.runtime.progress import Progress
+    from flowrl.runtime.progress import Progress, summary
 
     interrupt.install()
 
@@ -301,8 +301,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     for note in _settings_not_applied(graph):
         print(f"note: {note}", file=sys.stderr)
     if last:
-        mean = sum(r.get("reward_mean", 0.0) for r in last) / len(last)
-        print(f"done: {result.steps} steps, last-5 reward_mean {mean:.3f}; outputs in {out}")
+        print(f"done: {result.steps} steps, {summary(last)}; outputs in {out}")
     if result.cost:
         from flowrl.runtime.cost import table
 

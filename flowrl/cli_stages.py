@@ -57,7 +57,7 @@ def run(args: argparse.Namespace, pipe: Pipeline, out: Path, warnings: Callable[
     bar per stage, `--stage NAME` for one of them."""
     from flowrl import backends
     from flowrl.runtime.pipeline import run_pipeline, stage_dir
-    from flowrl.runtime.progress import Progress
+    from flowrl.runtime.progress import Progress, summary
 
     for w in [*pipe.warnings, *(d for s in pipe.stages for d in warnings(s.graph))]:
         print(w.render(), file=sys.stderr)
@@ -79,8 +79,7 @@ def run(args: argparse.Namespace, pipe: Pipeline, out: Path, warnings: Callable[
     for name in pipe.names:
         rows = [r for r in result.metrics if r["stage"] == name][-5:]
         if rows:
-            mean = sum(float(r.get("reward_mean", 0.0)) for r in rows) / len(rows)
-            print(f"stage {name}: {rows[-1]['stage_step']} steps, last-5 reward_mean {mean:.3f}")
+            print(f"stage {name}: {rows[-1]['stage_step']} steps, {summary(rows)}")
     skipped = [n for n in pipe.names if n not in result.ran and (args.stage is None or n == args.stage)]
     if skipped:
         print(f"skipped (finished earlier): {', '.join(skipped)}")

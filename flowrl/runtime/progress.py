@@ -1,10 +1,38 @@
-"""The per-step progress bar (rich): step, reward and generated tokens per second."""
+"""The per-step progress bar (rich): step, the step's headline metric (reward, or a preference stage's accuracy or
+loss) and generated tokens per second."""
 
 from __future__ import annotations
 
 import sys
 from types import TracebackType
 from typing import Any
+
+# A step without a reward (an SFT, reward-model or DPO update on data) is summed up by the first of these its row
+# has: (key suffix, the name shown).
+_HEADLINES = (("eval/rewards/accuracies", "eval_acc"), ("/eval_accuracy", "eval_acc"), ("rewards/accuracies", "acc"),
+              ("/rm_accuracy", "acc"), ("/sft_loss", "sft_loss"), ("/dpo_loss", "dpo_loss"), ("loss", "loss"))
+
+
+def headline(row: dict[str, Any]) -> tuple[str, float]:
+    """The metric a step is summed up by: `reward_mean` where the step scored rollouts, else a preference update's
+    held-out accuracy, training accuracy or loss."""
+    if "reward_mean" in row:
+        return "reward", float(row["reward_mean"])
+    for suffix, name in _HEADLINES:
+        for key, value in row.items():
+            if key.endswith(suffix) and isinstance(value, (int, float)):
+                return name, float(value)
+    return "reward", 0.0
+
+
+def summary(rows: list[dict[str, Any]]) -> str:
+    """'last-5 reward 0.812' (the mean of the headline over the last five rows, named by the last row's)."""
+    last = rows[-5:]
+    if not last:
+        return "no steps"
+    name = headline(last[-1])[0]
+    values = [v for n, v in map(headline, last) if n == name]
+    return f"last-{len(values)} {name} {sum(values) / len(values):.3f}"
 
 
 class Progress:
@@ -22,19 +50,19 @@ class Progress:
 
             self._bar = RichProgress(
                 TextColumn("[bold]step"), MofNCompleteColumn(), BarColumn(),
-                TextColumn("reward {task.fields[reward]:.3f}"), TextColumn("{task.fields[tps]:.0f} tok/s"),
+                TextColumn("{task.fields[what]} {task.fields[value]:.3f}"), TextColumn("{task.fields[tps]:.0f} tok/s"),
                 TimeRemainingColumn(), transient=False,
             )
             self._bar.__enter__()
-            self._task = self._bar.add_task("run", total=self.total, reward=0.0, tps=0.0)
+            self._task = self._bar.add_task("run", total=self.total, what="reward", value=0.0, tps=0.0)
         return self
 
     def update(self, step: int, row: dict[str, Any]) -> None:
-        reward, tps = float(row.get("reward_mean", 0.0)), float(row.get("tokens_per_s", 0.0))
+        (what, value), tps = headline(row), float(row.get("tokens_per_s", 0.0))
         if self._bar is not None:
-            self._bar.update(self._task, completed=step, reward=reward, tps=tps)
+            self._bar.update(self._task, completed=step, what=what, value=value, tps=tps)
         elif self.enabled and (step % self.every == 0 or step == self.total or step == 1):
-            print(f"step {step}/{self.total}  reward {reward:.3f}  {tps:.0f} tok/s  "
+            print(f"step {step}/{self.total}  {what} {value:.3f}  {tps:.0f} tok/s  "
                   f"{row.get('step_time_s', 0.0):.2f} s/step", file=sys.stderr, flush=True)
 
     def __exit__(self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
