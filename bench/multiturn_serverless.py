@@ -77,10 +77,8 @@ def measure(side: str, out: Path, args: argparse.Namespace) -> dict[str, Any]:
     trajectories = args.steps * args.batch * args.group
     return {"side": side, "held_s": round(held, 2), "held_per_traj_s": round(held / trajectories, 4),
             "step_s": round(statistics.median(r["step_time_s"] for r in rows[args.skip:]), 3),
-            # the generation loop's seconds with nothing to do while environments were pending, its device held:
-            # the released rounds' own (`cost/env_wait_held_s`), else the rollout's idle share of its wall (one rank)
-            "env_wait_held_s": round(sum(r["cost/env_wait_held_s"] if "cost/env_wait_held_s" in r
-                                         else r["env/idle_frac"] * r["time/rollout"] for r in rows), 2),
+            # the generation loops' seconds with nothing to do while environments were pending, devices held
+            "env_wait_held_s": round(sum(r["cost/env_wait_held_s"] for r in rows), 2),
             "idle_frac": round(statistics.mean(r["env/idle_frac"] for r in rows), 3),
             "parks": sum(r.get("env/parks", 0.0) for r in rows),
             "resumed_rows": sum(r.get("env/resumed_rows", 0.0) for r in rows),

@@ -50,6 +50,7 @@ class EnvPart:
     chunks: list[Batch] = field(default_factory=list)  # finished trajectories, rollout chunks with `sample`
     parked: list[Parked] = field(default_factory=list)  # still waiting on environments
     idle_s: float = 0.0  # seconds its loop had nothing to do while environments were pending, device held
+    wall_s: float = 0.0  # seconds its loop ran
     seconds: list[float] = field(default_factory=list)  # the environment calls' latencies it saw
 
 
@@ -68,7 +69,7 @@ def _drain(items: Any, worker: ModelWorker, model: str, prompts: Batch, attrs: M
     part = EnvPart(seconds=seen)
     for item in items:
         if isinstance(item, Suspended):
-            part.parked, part.idle_s = list(item.rows), part.idle_s + item.idle_s
+            part.parked, part.idle_s, part.wall_s = list(item.rows), part.idle_s + item.idle_s, part.wall_s + item.wall_s
             continue
         assert isinstance(item, TurnChunk)
         out = rollout_batch(item.out, tok, prompts, a.temperature)
@@ -76,6 +77,7 @@ def _drain(items: Any, worker: ModelWorker, model: str, prompts: Batch, attrs: M
         out.tensors.update(sample=sample, pad=torch.full((out.size,), tok.pad_id))
         part.chunks.append(out)
         part.idle_s += item.out.idle_s
+        part.wall_s += item.out.wall_s
     return part
 
 
@@ -185,8 +187,11 @@ class EnvRelease:
         chunks = [c for p in parts for c in p.chunks]
         out = assemble(chunks, [c["sample"] for c in chunks])
         out.tensors["group_id"] = torch.arange(out.size) // GenerateAttrs.of(attrs).n
-        group.ledger.note({"cost/env_wait_held_s": idle, "env/parks": float(parks), "env/resumed_rows": float(resumed),
-                           "env/rounds": float(len(parts))})
+        # the chunks share their loops' seconds; a round's seconds after its last chunk (until it parked) too
+        wall = sum(p.wall_s for p in parts)
+        for key, total in (("gen_idle_s", idle), ("gen_wall_s", wall)):
+            out.tensors[key] = out[key] + (total - float(out[key].sum())) / max(out.size, 1)
+        group.ledger.note({"env/parks": float(parks), "env/resumed_rows": float(resumed), "env/rounds": float(len(parts))})
         return out
 
     def _learn(self, round_s: float, used: Sequence[Usage]) -> None:

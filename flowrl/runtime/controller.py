@@ -271,7 +271,8 @@ def _summary(graph: Graph, values: Mapping[str, Batch]) -> dict[str, float]:
 def env_metrics(rollout: Batch) -> dict[str, float]:
     """A rollout generated with an environment (issue 26's batch contract): turns, the environment's calls'
     seconds (p50, p99), errors and timeouts, tool calls per trajectory, return, prefilled tokens per trajectory,
-    and the fraction of the generation call spent with nothing to decode while environments were pending."""
+    the fraction of the generation call spent with nothing to decode while environments were pending, and those
+    seconds (device-seconds held waiting on environments: `cost/env_wait_held_s`)."""
     seconds = torch.tensor([s for row in rollout.meta.get("env_step_s", []) for s in row], dtype=torch.float64)
     wall = float(rollout["gen_wall_s"].sum())
     return {
@@ -282,6 +283,8 @@ def env_metrics(rollout: Batch) -> dict[str, float]:
         "env/timeouts": float(rollout["env_timeouts"].sum()),
         "env/tool_calls_mean": float(rollout["env_calls"].float().mean()),
         "env/idle_frac": float(rollout["gen_idle_s"].sum()) / wall if wall > 0 else 0.0,
+        # device-seconds held with nothing to do while environments were pending (each rank's loop counts its own)
+        "cost/env_wait_held_s": float(rollout["gen_idle_s"].sum()),
         "env/return_mean": float(rollout["env_return"].float().mean()),
         "env/prefill_tokens_mean": float(rollout["prefill_tokens"].float().mean()),
     }

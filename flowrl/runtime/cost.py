@@ -292,7 +292,8 @@ def summary(rows: Sequence[Mapping[str, Any]], pools: Sequence[Pool], gpu_hour: 
                              "cold_starts", "warm_starts", "cold_starts_waited", "prewarm_ready", "lost_instances",
                              "kept_on_device")
     # what only some backends report: reserved pools' teardown, the devices elastic processes kept
-    keys += tuple(k for k in ("stopping_s", "kept_s") if any(PREFIX + k in r for r in rows))
+    # and multi-turn runs' device-seconds held while environments ran (flowrl.runtime.controller.env_metrics)
+    keys += tuple(k for k in ("stopping_s", "kept_s", "env_wait_held_s") if any(PREFIX + k in r for r in rows))
     for key in keys:
         out[key] = total(PREFIX + key)
     out["utilization"] = out["busy_s"] / out["held_s"] if out["held_s"] else 0.0

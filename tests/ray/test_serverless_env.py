@@ -77,7 +77,9 @@ def test_parked_trajectories_resume_on_another_instance_with_the_local_samples(t
     local, _ = _generate(tmp_path / "local", "local")
     served, metrics = _generate(tmp_path / "serverless", "serverless")
     assert metrics["env/parks"] >= 1 and metrics["env/rounds"] == metrics["env/parks"] + 1
-    assert metrics["env/resumed_rows"] >= 1 and metrics["cost/env_wait_held_s"] >= 0.0
+    assert metrics["env/resumed_rows"] >= 1
+    # the loops' seconds after their last chunk count too: idle and wall sum to what the rounds reported
+    assert 0.0 <= float(served["gen_idle_s"].sum()) <= float(served["gen_wall_s"].sum())
     real = local["response_mask"].bool()
     assert served.size == local.size == 8
     for r in range(local.size):
