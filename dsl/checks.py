@@ -104,6 +104,10 @@ def check_flow(rep: Reporter, flow: Flow) -> None:
     for m in flow.models:
         if m.engine != "torch":
             _check_engine(rep, flow, m)
+        at = flow.model_blocks.get(m.name, {}).get("missing_eos_penalty")
+        if at is not None and m.role != "reward_model":
+            rep.error(at.src, f"missing_eos_penalty is a reward model's, and `{m.name}` is a {m.role}",
+                      at.entry.key, hint="set it on the reward_model that scores the rollouts")
     by_id = {n.id: n for n in flow.nodes}
     used: set[str] = set()
     for node in flow.nodes:

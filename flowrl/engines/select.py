@@ -103,6 +103,9 @@ def check_engine(
             where = f"{who} is placed on device \"{device}\"" if placed else f"none is visible to {who}"
             problem(f"engine \"vllm\" needs a CUDA device, and {where}",
                     "use engine = \"torch\" to generate on the CPU")  # fmt: skip
+    if options is not None and options.get("missing_eos_penalty") and role != "reward_model":
+        problem(f"missing_eos_penalty is a reward model's, and {who} is a {role}",
+                "set it on the reward_model that scores the rollouts")  # fmt: skip
     if engine == "deepspeed" and options is not None:
         for message, hint in _deepspeed_option_problems(options):
             problem(message, hint)

@@ -265,6 +265,8 @@ MODEL_KEYS: dict[str, tuple[str, Value]] = {
     "warmup_steps": ("int", 0),  # linear LR warm-up
     "zero_stage": ("int", 0),  # engine = "deepspeed": ZeRO stage 0-3
     "offload": ("bool", False),  # engine = "deepspeed": ZeRO optimizer offload to CPU
+    # a reward_model's score of a response cut off before EOS (at max_tokens), less this (TRL's missing_eos_penalty)
+    "missing_eos_penalty": ("float", 0.0),
 }
 ENGINES = ("torch", "vllm", "deepspeed")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -342,6 +344,7 @@ RUN_KEYS: dict[str, tuple[str, Value]] = {
 KEY_LIMITS: dict[str, dict[str, Limit]] = {
     "model": {
         "lr": ABOVE_ZERO, "weight_decay": NON_NEGATIVE, "gpus": NON_NEGATIVE, "warmup_steps": NON_NEGATIVE,
+        "missing_eos_penalty": Limit(0, why="0 scores a cut-off response as it is"),
         "zero_stage": Limit(0, 3, why="ZeRO stages are 0, 1, 2 and 3"),
         "layers": POSITIVE, "dim": POSITIVE, "heads": POSITIVE, "vocab": POSITIVE,
         "context": Limit(2, why="the prompt's first token and one generated token need two positions"),

@@ -291,10 +291,16 @@ class ModelWorker:
                            attrs: Mapping[str, Any]) -> torch.Tensor:
         """(B,) the value read at each response's last token: a forward's value t is read where response token t
         is predicted (flowrl.engines.forward), so one slot appended after each response makes that slot's value
-        the last token's."""
+        the last token's. A reward model's `missing_eos_penalty` is taken off the score of each response cut off
+        before EOS (the pairs it was trained on all end with EOS: a cut-off response is one it never saw end)."""
         ids, mask, lens = with_last_slot(response_ids, response_mask)
         values = self._values(model, (prompt_ids, prompt_mask, ids, mask), attrs)
-        return values[torch.arange(len(lens), device=values.device), lens.to(values.device)]
+        scores = values[torch.arange(len(lens), device=values.device), lens.to(values.device)]
+        penalty = float(self.decls[model].options.get("missing_eos_penalty", 0.0) or 0.0)
+        if penalty:
+            ended = ended_with(response_ids, response_mask, self.models[model].tokenizer.eos_id)
+            scores = scores - penalty * (~ended).to(scores.device, scores.dtype)
+        return scores
 
     def score_growing(self, model: str, op: str, rows: Batch, attrs: Mapping[str, Any], *, node: str,
                       stage: str) -> torch.Tensor:
@@ -489,3 +495,10 @@ def group_state(workers: Mapping[str, ModelWorker]) -> dict[str, Any]:
 def load_group_state(workers: Mapping[str, ModelWorker], state: Mapping[str, Any]) -> None:
     for w in {id(w): w for w in workers.values()}.values():
         w.load_state_dict(state)
+
+
+def ended_with(response_ids: torch.Tensor, response_mask: torch.Tensor, eos: int) -> torch.Tensor:
+    """(B,) bool: each response's last real token is `eos` (an empty response did not end)."""
+    lens = response_mask.sum(1).long()
+    last = response_ids.gather(1, (lens - 1).clamp(min=0).unsqueeze(1)).squeeze(1)
+    return (lens > 0) & (last == eos)
