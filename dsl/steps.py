@@ -202,13 +202,13 @@ class StepLowering:
         if loss not in LOSS_KEYS:
             return True
         ok = True
-        written = {a.key.name: a for a in call.args if a.key is not None}
+        written = {a.key.name: a.key for a in call.args if a.key is not None}
         for other, keys in LOSS_KEYS.items():
             for key in keys if other != loss else ():
                 if key in LOSS_KEYS[loss]:
                     continue
                 if key in written:
-                    self.rep.error(body.src, f"argument `{key}` is not used by loss \"{loss}\"", written[key].key,
+                    self.rep.error(body.src, f"argument `{key}` is not used by loss \"{loss}\"", written[key],
                                    hint=f"remove `{key} = ...`; it belongs to loss \"{other}\"")
                     ok = False
                 p.attrs.pop(key, None)
@@ -247,8 +247,8 @@ class StepLowering:
         ok = self._loss_keys(body, call, loss, p) and ok
         for extra in ("advantages", "old_logp"):
             if extra in inputs:
-                arg = next(a for a in call.args if a.key is not None and a.key.name == extra)
-                self.rep.error(body.src, f"argument `{extra}` is not used by loss \"{loss}\"", arg.key,
+                key = next(a.key for a in call.args if a.key is not None and a.key.name == extra)
+                self.rep.error(body.src, f"argument `{extra}` is not used by loss \"{loss}\"", key,
                                hint=f"remove `{extra} = ...`; it belongs to loss \"ppo_clip\"")
                 ok = False
         if loss == "dpo" and p.attrs.get("dpo") != "simpo" and "ref_logp" not in inputs:

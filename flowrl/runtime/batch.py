@@ -167,5 +167,5 @@ def _rows_batch(data: Batch, others: Mapping[str, Batch]) -> Batch:
         elif t.shape[0] != data.size:
             raise ValueError(f"`{param}` has {t.shape[0]} rows for {data.size} data rows (expected one or two per row)")
         tensors[param] = t
-    meta = {k: list(data.meta[k]) for k in ("prompt", "row", "prompt_id") if k in data.meta}
+    meta: dict[str, list[Any]] = {k: list(data.meta[k]) for k in ("prompt", "row", "prompt_id") if k in data.meta}
     return Batch(data.size, tensors, meta, None)

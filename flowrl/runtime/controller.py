@@ -200,7 +200,7 @@ class Controller:
         if node.attrs.get("loss") not in ("dpo", "bradley_terry"):
             return {}
         rows = _prompt_batch(PromptLoader(loader.held_out, len(loader.held_out), False, 0, loader.prompt_key))
-        attrs = dict(node.attrs)
+        attrs: dict[str, Any] = dict(node.attrs)
         ref = node.input("ref_logp")
         if ref is not None and self.graph.has_node(ref):
             fwd = self.graph.node(ref)

@@ -184,3 +184,20 @@ def test_a_reward_model_learns_the_example_pairs_and_scores_held_out_ones(tmp_pa
     last = sum(r["rm/eval_accuracy"] for r in rows[-10:]) / 10
     assert last >= 0.75 and last >= first + 0.2, (first, last)
     assert all(abs(r["rm/eval_accuracy"] * 20 - round(r["rm/eval_accuracy"] * 20)) < 1e-4 for r in rows)  # 20 pairs
+
+
+def test_the_judge_scores_a_runs_policy_before_and_after(tmp_path: Path) -> None:
+    """examples/judge_sums.py: the greedy answers to the 100 sums, judged by arith_exact, of the last checkpoint
+    (or the step-0 weights)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("judge_sums", ROOT / "examples" / "judge_sums.py")
+    assert spec is not None and spec.loader is not None
+    judge = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(judge)
+    graph = flowrl.load(str(ROOT / "examples" / "dpo_sums.flow"), overrides={"run.steps": 2})
+    flowrl.run(graph, out_dir=tmp_path / "dpo")
+    after = judge.judge(tmp_path / "dpo")
+    before = judge.judge(tmp_path / "dpo", init=True)
+    assert (after["step"], after["total"], before["step"]) == (2, 100, 0)
+    assert 0.0 <= after["score"] <= 1.0 and after["score"] == after["right"] / 100
