@@ -98,6 +98,7 @@ class UpdateAttrs(Prefix):
     entropy_coef: float = float(default(POLICY_UPDATE, "entropy_coef"))
     is_correction: str = str(default(POLICY_UPDATE, "is_correction"))
     is_cap: float = float(default(POLICY_UPDATE, "is_cap"))
+    lr: float = float(default(POLICY_UPDATE, "lr"))  # 0: the model's own
 
     @property
     def correction(self) -> str:

@@ -92,6 +92,8 @@ _TRAIN_COMMON = (
     Param("mini_batches", "int", default=1, limit=POSITIVE),
     Param("micro_batch", "int", default=0, limit=NON_NEGATIVE),  # rows per micro-batch; 0 = the whole mini-batch
     Param("max_grad_norm", "float", default=1.0, limit=Limit(0, why="0 clips nothing")),
+    # this update's learning rate (0: the model's `lr`): a stage of a pipeline trains the same model at its own
+    Param("lr", "float", default=0.0, limit=Limit(0, why="0 keeps the model's lr")),
 )
 
 GENERATE = Signature(

@@ -296,7 +296,7 @@ class ModelWorker:
         ids, mask, lens = with_last_slot(response_ids, response_mask)
         values = self._values(model, (prompt_ids, prompt_mask, ids, mask), attrs)
         scores = values[torch.arange(len(lens), device=values.device), lens.to(values.device)]
-        penalty = float(self.decls[model].options.get("missing_eos_penalty", 0.0) or 0.0)
+        penalty = float(str(self.decls[model].options.get("missing_eos_penalty", 0.0) or 0.0))
         if penalty:
             ended = ended_with(response_ids, response_mask, self.models[model].tokenizer.eos_id)
             scores = scores - penalty * (~ended).to(scores.device, scores.dtype)
@@ -336,9 +336,9 @@ class ModelWorker:
         are scaled by the whole mini-batch's denominators, so the update does not depend on the split."""
         role = self.decls[model].role
         engine = self.trainers[model]
-        self._warm_up_lr(model)
-        module = forward_module(engine)  # DeepSpeed's wrapper when engine = "deepspeed"
         a = UpdateAttrs.of(attrs)
+        self._set_lr(model, a.lr or None)
+        module = forward_module(engine)  # DeepSpeed's wrapper when engine = "deepspeed"
         engine.set_max_grad_norm(a.max_grad_norm)
         if is_data_batch(batch):  # sft, dpo, bradley_terry on a data node's rows (flowrl.runtime.preference_update)
             enc = self.prompt_encoder(model)
@@ -393,15 +393,16 @@ class ModelWorker:
         model, batch, attrs, seed = job
         return self.update(model, batch, attrs, step_seed=seed, turn=turn)
 
-    def _warm_up_lr(self, model: str) -> None:
-        """Linear LR warm-up over the model's first `warmup_steps` optimizer steps."""
+    def _set_lr(self, model: str, update_lr: float | None) -> None:
+        """The update's learning rate (its `lr`, else the model's), with the model's linear warm-up over its first
+        `warmup_steps` optimizer steps."""
         options: Mapping[str, Any] = self.decls[model].options
         warmup = int(options.get("warmup_steps", 0) or 0)
-        if warmup > 0:
-            lr = self.decls[model].lr
+        if warmup > 0 or update_lr is not None:
+            lr = update_lr if update_lr is not None else self.decls[model].lr
             base = float(lr) if lr is not None else 1e-5
             engine = self.trainers[model]
-            engine.set_lr(base * min(1.0, (engine.steps + 1) / warmup))
+            engine.set_lr(base * (min(1.0, (engine.steps + 1) / warmup) if warmup > 0 else 1.0))
 
     def _policy_loss(self, module: torch.nn.Module, mb: Batch, *, a: UpdateAttrs,
                      denoms: Mapping[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:

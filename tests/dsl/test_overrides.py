@@ -50,11 +50,11 @@ def test_override_errors(compile_error: Check) -> None:
         "actor.lr": "1e-", "prompts.batch": '"8"', "run.seed": "@",
     })
     assert rendered == dedent("""\
-        <overrides>:1:1: error: override `critic.lr`: no model, data or reward named `critic`
+        <overrides>:1:1: error: override `critic.lr`: no model, data, reward or env named `critic`
             critic.lr=1e-4
             ^^^^^^
-        hint: models: actor, ref; data: prompts; rewards: correct; or `run`, `use`
-        <overrides>:2:1: error: override `steps` must be MODEL.KEY, DATA.KEY, REWARD.KEY, run.KEY or use.PARAM
+        hint: models: actor, ref; data: prompts; rewards: correct; envs: none; or `run`, `use`
+        <overrides>:2:1: error: override `steps` must be MODEL.KEY, DATA.KEY, REWARD.KEY, ENV.KEY, run.KEY or use.PARAM
             steps=3
             ^^^^^
         <overrides>:3:11: error: `steps` must be an integer, got the name `abc`
