@@ -181,7 +181,7 @@ REWARD_UPDATE = Signature(
 LOSS_KEYS: dict[str, tuple[str, ...]] = {
     "ppo_clip": ("clip", "clip_high", "dual_clip", "kl_coef", "kl", "entropy_coef", "is_correction", "is_cap"),
     "dpo": ("beta", "dpo", "label_smoothing", "gamma", "eval_every"),
-    "sft": (),
+    "sft": ("eval_every",),
 }
 
 # role -> method -> signature

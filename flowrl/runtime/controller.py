@@ -192,12 +192,13 @@ class Controller:
     def held_out_metrics(self, node: Node) -> dict[str, float]:
         """A preference update on data with `held_out` rows, every `eval_every` steps: the model scores those
         rows after its step (the worker's `evaluate`; DPO against its reference's log-probs of them, computed
-        once while the reference is frozen). Its metrics, as the update's (`eval_accuracy`, `eval/...`)."""
+        once while the reference is frozen; SFT their responses' NLL). Its metrics, as the update's
+        (`eval_accuracy`, `eval/...`, `eval/sft_loss`)."""
         loader = self.loaders.get(str(node.input("rollout")))
         every = int(str(node.attrs.get("eval_every", 1) or 0))
         if loader is None or not loader.held_out or every <= 0 or self.step_now % every:
             return {}
-        if node.attrs.get("loss") not in ("dpo", "bradley_terry"):
+        if node.attrs.get("loss") not in ("dpo", "bradley_terry", "sft"):
             return {}
         rows = _prompt_batch(PromptLoader(loader.held_out, len(loader.held_out), False, 0, loader.prompt_key))
         attrs: dict[str, Any] = dict(node.attrs)

@@ -8,7 +8,7 @@ so the reference's rows line up with the update's. It shuffles by pair (a pair's
 epochs x mini-batches of `TrainEngine.step` with the micro losses of flowrl.runtime.preference (`micro_batch`
 counts rows, rounded to whole pairs). `evaluate` scores held-out rows (`held_out` on the data; the controller
 calls the worker's `evaluate` after the update): `eval_accuracy` for a reward model, `eval/rewards/accuracies`
-and `eval/loss` for DPO.
+and `eval/loss` for DPO, `eval/sft_loss` (the mean NLL of the held-out responses' tokens) for SFT.
 """
 
 from __future__ import annotations
@@ -178,10 +178,18 @@ def _dpo(module: nn.Module, mb: Batch, *, num_pairs: int, beta: float, kind: str
 
 
 def evaluate(job: PairUpdate, held: Batch, attrs: Mapping[str, Any]) -> dict[str, float]:
-    """The held-out pairs `held` (data rows) scored after an update with `attrs`: a reward model's accuracy
-    (chosen scored above rejected) and loss, or DPO's loss and implicit-reward accuracy against the reference's
-    log-probs of the same rows (`attrs[EVAL_REF]`, (2E, T))."""
+    """The held-out rows `held` (data rows) scored after an update with `attrs`: a reward model's accuracy
+    (chosen scored above rejected) and loss, DPO's loss and implicit-reward accuracy against the reference's
+    log-probs of the same rows (`attrs[EVAL_REF]`, (2E, T)), or SFT's loss on held-out demonstrations (their
+    response tokens' mean NLL, every token weighing alike, as the update's `sft_loss`)."""
     loss = str(attrs.get("loss"))
+    if loss == "sft":
+        demos = token_rows(held, job.tokenizer, job.context)
+        if "pair_side" in demos.tensors:
+            raise ValueError("loss \"sft\" evaluates demonstrations (prompt/response), got preference pairs")
+        with torch.no_grad():
+            value, _ = sft_micro_loss(job.module, demos, num_tokens=float(demos["response_mask"].sum()))
+        return {"eval/sft_loss": float(value)}
     if loss not in PAIR_LOSSES:
         return {}
     pairs = token_rows(held, job.tokenizer, job.context)

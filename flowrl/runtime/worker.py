@@ -376,7 +376,8 @@ class ModelWorker:
             self.generators[model].load_weights(self.models[model].module.state_dict())
 
     def evaluate(self, model: str, rows: Batch, attrs: Mapping[str, Any]) -> dict[str, float]:
-        """Held-out preference rows scored by `model` as the update with `attrs` trains it (no gradients)."""
+        """Held-out rows (pairs or demonstrations) scored by `model` as the update with `attrs` trains it (no
+        gradients)."""
         enc = self.prompt_encoder(model)
         module = forward_module(self.trainers[model]) if model in self.trainers else self.models[model].module
         return evaluate(PairUpdate(module, enc.tokenizer, enc.context, self.device), rows, attrs)
