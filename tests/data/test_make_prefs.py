@@ -23,7 +23,10 @@ def _generator() -> ModuleType:
 
 def test_committed_files_are_the_generators() -> None:
     gen = _generator()
-    for name, rows in [("sum_pairs.jsonl", gen.pairs()), ("sum_demos.jsonl", gen.demos())]:
+    few = [r for r in gen.demos() if int(str(r["prompt"])[0]) < 5]
+    sums = [{"prompt": r["prompt"], "answer": r["answer"]} for r in gen.demos()]
+    for name, rows in [("sum_pairs.jsonl", gen.pairs()), ("sum_demos.jsonl", gen.demos()),
+                       ("sum_demos_few.jsonl", few), ("sums.jsonl", sums)]:
         lines = (DATA / name).read_text(encoding="utf-8").splitlines()
         assert [json.loads(line) for line in lines] == rows, f"regenerate {name}: python examples/data/make_prefs.py"
 
@@ -33,6 +36,9 @@ def test_pairs_follow_the_hidden_rule_and_load_as_pairs() -> None:
     for row in rows:
         a, b = (int(x) for x in row["prompt"].rstrip("=").split("+"))
         assert int(row["chosen"]) == a + b == row["answer"] and int(row["rejected"]) != a + b
-    assert sum(bool(r["held_out"]) for r in rows) == 20
+    assert sum(bool(r["held_out"]) for r in rows) == 200
+    # every sum over each of its 18 wrong answers once: no answer is preferred or rejected for itself
+    assert sorted((r["prompt"], int(r["rejected"])) for r in rows) == sorted(
+        (f"{a}+{b}=", w) for a in range(10) for b in range(10) for w in range(19) if w != a + b)
     demos = read_data("jsonl", DATA / "sum_demos.jsonl", columns=ROW_KINDS["demos"])
     assert len(demos) == 100 and all(int(d["response"]) == d["answer"] for d in demos)

@@ -176,14 +176,15 @@ def test_every_backend_runs_the_preference_flow_with_the_local_numbers(tmp_path:
 
 
 def test_a_reward_model_learns_the_example_pairs_and_scores_held_out_ones(tmp_path: Path) -> None:
-    """examples/reward_model_sums.flow, shortened: held-out accuracy (20 pairs never trained on) moves up."""
+    """examples/reward_model_sums.flow, its first 150 steps: trained on the example's pairs, it ranks the 200 held-out
+    pairs (a sum and a wrong answer never seen together) right at least 90% of the time (measured: 0.81, 0.89, 0.935
+    at steps 50, 100, 150)."""
     graph = flowrl.load(str(ROOT / "examples" / "reward_model_sums.flow"), overrides={"run.steps": 150})
     flowrl.run(graph, out_dir=tmp_path / "rm")
     rows = [json.loads(line) for line in (tmp_path / "rm" / "metrics.jsonl").read_text().splitlines()]
-    first = sum(r["rm/eval_accuracy"] for r in rows[:10]) / 10
-    last = sum(r["rm/eval_accuracy"] for r in rows[-10:]) / 10
-    assert last >= 0.75 and last >= first + 0.2, (first, last)
-    assert all(abs(r["rm/eval_accuracy"] * 20 - round(r["rm/eval_accuracy"] * 20)) < 1e-4 for r in rows)  # 20 pairs
+    held = [r["rm/eval_accuracy"] for r in rows if "rm/eval_accuracy" in r]
+    assert len(held) == 3 and held[-1] >= 0.9 and held[-1] > held[0], held  # eval_every = 50
+    assert all(abs(a * 200 - round(a * 200)) < 1e-4 for a in held)  # scored on the 200 held-out pairs
 
 
 def test_the_judge_scores_a_runs_policy_before_and_after(tmp_path: Path) -> None:
