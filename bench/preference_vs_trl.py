@@ -83,9 +83,11 @@ def flowrl_run(kind: str, steps: int, share: bool) -> dict[str, Any]:
         from transformers import GPT2ForSequenceClassification
 
         head = GPT2ForSequenceClassification.from_pretrained(shape.RM_CKPT).score.weight
+        value_head = worker.models[model].module.get_submodule("value_head")
+        assert isinstance(value_head, torch.nn.Linear)
         with torch.no_grad():
-            worker.models[model].module.value_head.weight.copy_(head)
-            worker.models[model].module.value_head.bias.zero_()
+            value_head.weight.copy_(head)
+            value_head.bias.zero_()
     marked = all(bool(n.attrs.get("share_prefix")) for n in (update, forward) if n is not None)
     rows = shape.read_pairs()
     times, cpu, losses = [], [], []
