@@ -92,6 +92,18 @@ def why_not_share_pairs(graph: Graph, data: str, min_len: int = MIN_LEN) -> str 
     return None
 
 
+def _mark(graph: Graph, users: list[Node], marked: dict[str, Node], notes: list[str]) -> list[str]:
+    """Mark `users` to share their prompts (torch-engine models only: another engine is noted) and return the ids
+    marked."""
+    for node in users:
+        engine = graph.model(str(node.model)).engine
+        if engine != "torch":
+            notes.append(f"{node.id}: not shared: {node.model} uses engine {engine!r}")
+            continue
+        marked[node.id] = node.with_attrs(share_prefix=True, prefix_min_len=MIN_LEN)
+    return [n.id for n in users if n.id in marked]
+
+
 def _share_pairs(graph: Graph, marked: dict[str, Node], notes: list[str]) -> None:
     """Preference pairs: each pair's prompt once in the updates' forwards (the policy's for DPO, the reward
     model's for Bradley-Terry) and in every forward over the same data (the reference's log-probs)."""
@@ -102,13 +114,7 @@ def _share_pairs(graph: Graph, marked: dict[str, Node], notes: list[str]) -> Non
             continue
         users = [n for n in graph.nodes if n.input("rollout") == data
                  and (n.op in FORWARD_OPS or (n.op == "update" and n.attrs.get("loss") in PAIR_LOSSES))]
-        for node in users:
-            engine = graph.model(str(node.model)).engine
-            if engine != "torch":
-                notes.append(f"{node.id}: not shared: {node.model} uses engine {engine!r}")
-                continue
-            marked[node.id] = node.with_attrs(share_prefix=True, prefix_min_len=MIN_LEN)
-        shared = [n.id for n in users if n.id in marked]
+        shared = _mark(graph, users, marked, notes)
         notes.append(f"{data}: chosen and rejected share each pair's prompt: computed once in {', '.join(shared)}")
 
 
@@ -123,13 +129,7 @@ def share_prompt_prefix(graph: Graph) -> tuple[Graph, list[str]]:
             notes.append(f"{gen.id}: not shared: {reason}")
             continue
         users = [gen, *forwards_over(graph, gen), *updates_over(graph, gen)]
-        for node in users:
-            engine = graph.model(str(node.model)).engine
-            if engine != "torch":
-                notes.append(f"{node.id}: not shared: {node.model} uses engine {engine!r}")
-                continue
-            marked[node.id] = node.with_attrs(share_prefix=True, prefix_min_len=MIN_LEN)
-        shared = [n.id for n in users if n.id in marked]
+        shared = _mark(graph, users, marked, notes)
         notes.append(f"{gen.id}: {_reason(graph, gen, prompts_of(graph, gen))}: prefixes computed once in "
                      f"{', '.join(shared)}")
     _share_pairs(graph, marked, notes)

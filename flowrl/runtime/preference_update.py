@@ -30,7 +30,7 @@ from flowrl.models.tokenizer import Tokenizer
 from flowrl.runtime.batch import Batch
 from flowrl.runtime.pairs import demo_batch, pair_batch
 from flowrl.runtime.preference import dpo_micro_loss, pair_scores, reward_micro_loss, sft_micro_loss
-from flowrl.runtime.schedule import Turn, taking_turns
+from flowrl.runtime.schedule import Turn, mean_step_metrics
 
 __all__ = ["EVAL_REF", "PairUpdate", "evaluate", "fit_width", "is_data_batch", "pair_order", "rows_batch",
            "token_rows", "update_on_rows"]
@@ -129,19 +129,10 @@ def update_on_rows(job: PairUpdate, engine: Any, batch: Batch, attrs: Mapping[st
     share = a.prefix_min_len if a.share_prefix else 0
     micro_rows = per * max(1, round(a.micro_batch / per)) if a.micro_batch > 0 else 0  # whole pairs
     gen = torch.Generator().manual_seed(step_seed)
-    sums: dict[str, float] = {}
-    count = 0
-    for epoch in pair_order(batch.size, per, epochs=a.epochs, parts=max(1, a.mini_batches), gen=gen):
-        for index in epoch:
-            mini = rows.select(index)
-            step_loss = _micro_loss(job, loss, mini, attrs, share)
-            if turn is not None:  # fuse-train: wait for this model's turn before each micro-batch
-                step_loss = taking_turns(step_loss, turn, model)
-            metrics = engine.step(mini.chunks(micro_rows), step_loss)
-            for k, v in metrics.items():
-                sums[k] = sums.get(k, 0.0) + float(v)
-            count += 1
-    return {k: v / max(count, 1) for k, v in sums.items()}
+    minis = (rows.select(index) for epoch in pair_order(batch.size, per, epochs=a.epochs,
+                                                        parts=max(1, a.mini_batches), gen=gen) for index in epoch)
+    return mean_step_metrics(engine, ((mini.chunks(micro_rows), _micro_loss(job, loss, mini, attrs, share))
+                                      for mini in minis), turn, model)
 
 
 def _micro_loss(job: PairUpdate, loss: str, mini: Batch, attrs: Mapping[str, Any],

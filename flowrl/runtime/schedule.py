@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from functools import partial
 from typing import Any, TypeVar
 
@@ -148,3 +148,18 @@ def taking_turns(loss_fn: Callable[[Any], T], turn: Turn, name: str) -> Callable
         return loss_fn(mb)
 
     return wrapped
+
+
+def mean_step_metrics(engine: Any, steps: Iterable[tuple[Sequence[Any], Callable[[Any], Any]]], turn: Turn | None,
+                      name: str) -> dict[str, float]:
+    """Run an update's optimizer steps — each (its micro-batches, the loss of one) — on `engine`, taking turns
+    (fuse-train) when `turn` is given, and return each metric's mean over the steps."""
+    sums: dict[str, float] = {}
+    count = 0
+    for chunks, step_loss in steps:
+        if turn is not None:  # fuse-train: wait for this model's turn before each micro-batch
+            step_loss = taking_turns(step_loss, turn, name)
+        for k, v in engine.step(chunks, step_loss).items():
+            sums[k] = sums.get(k, 0.0) + float(v)
+        count += 1
+    return {k: v / max(count, 1) for k, v in sums.items()}

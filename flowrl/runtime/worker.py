@@ -41,7 +41,7 @@ from flowrl.runtime.chunks import (
 from flowrl.runtime.env_rollout import EnvPools, env_generate, env_spec_of, env_stream
 from flowrl.runtime.preference import with_last_slot
 from flowrl.runtime.preference_update import PairUpdate, evaluate, is_data_batch, token_rows, update_on_rows
-from flowrl.runtime.schedule import Turn, interleave, taking_turns
+from flowrl.runtime.schedule import Turn, interleave, mean_step_metrics
 from flowrl.runtime.transport import pack, unpack
 
 ROLLOUT_KEYS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "temperature")
@@ -348,27 +348,23 @@ class ModelWorker:
             return out
         epochs, parts, micro = a.epochs, max(1, a.mini_batches), a.micro_batch
         gen = torch.Generator().manual_seed(step_seed)
-        sums: dict[str, float] = {}
-        count = 0
-        for _ in range(epochs):
-            order = torch.randperm(batch.size, generator=gen) if epochs > 1 or parts > 1 else torch.arange(batch.size)
-            shuffled = batch.select(order)
-            for mini in shuffled.split(parts):
-                # counted on the tokens trained on: a multi-turn rollout's loss_mask leaves out its observations
-                denoms = denominators(mini["response_mask"], mini.tensors.get("loss_mask"))
-                if data_parallel_world() > 1:  # ray backend, data parallel: the global mini-batch's denominators
-                    tokens, seqs = all_reduce_sum([denoms["num_tokens"], denoms["num_seqs"]], self.device)
-                    denoms.update(num_tokens=tokens, num_seqs=int(seqs))
-                loss = self._critic_loss if role == "critic" else self._policy_loss
-                step_loss: Callable[[Batch], Any] = partial(loss, module, a=a, denoms=denoms)
-                if turn is not None:  # fuse-train: wait for this model's turn before each micro-batch
-                    step_loss = taking_turns(step_loss, turn, model)
-                metrics = engine.step(mini.chunks(micro), step_loss)
-                for k, v in metrics.items():
-                    sums[k] = sums.get(k, 0.0) + float(v)
-                count += 1
+        loss = self._critic_loss if role == "critic" else self._policy_loss
+
+        def steps() -> Iterator[tuple[list[Batch], Callable[[Batch], Any]]]:
+            for _ in range(epochs):
+                order = torch.randperm(batch.size, generator=gen) if epochs > 1 or parts > 1 \
+                    else torch.arange(batch.size)
+                for mini in batch.select(order).split(parts):
+                    # counted on the tokens trained on: a multi-turn rollout's loss_mask leaves out its observations
+                    denoms = denominators(mini["response_mask"], mini.tensors.get("loss_mask"))
+                    if data_parallel_world() > 1:  # ray backend, data parallel: the global mini-batch's denominators
+                        tokens, seqs = all_reduce_sum([denoms["num_tokens"], denoms["num_seqs"]], self.device)
+                        denoms.update(num_tokens=tokens, num_seqs=int(seqs))
+                    yield mini.chunks(micro), partial(loss, module, a=a, denoms=denoms)
+
+        metrics = mean_step_metrics(engine, steps(), turn, model)
         self._updated(model)
-        return {k: v / max(count, 1) for k, v in sums.items()}
+        return metrics
 
     def _updated(self, model: str) -> None:
         weights_changed(self.models[model].module)  # its cached prompts (share-prefix) are stale now
