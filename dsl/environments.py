@@ -71,7 +71,7 @@ def env_spec(rep: Reporter, src: Source, d: ast.EnvDecl, block: Mapping[str, Ent
         "name": name, "target": str(d.target.value), "kind": kind, "max_turns": int(str(values["max_turns"])),
         "stop": stop, "workers": int(str(values["workers"])), "timeout": float(str(values["timeout"])),
         "on_error": str(values["on_error"]), "call": call, "imports": tuple(imports), "folder": folder,
-        "overlap": bool(values["overlap"]), "options": dict(options),
+        "overlap": bool(values["overlap"]), "decode_batch": int(str(values["decode_batch"])), "options": dict(options),
     }
     return EnvInfo(d, dict(block), spec, int(str(values["max_total"])))
 

@@ -59,7 +59,7 @@ def _loop_args(attrs: Mapping[str, Any]) -> dict[str, Any]:
     assert spec is not None
     a = GenerateAttrs.of(attrs)
     return dict(n=a.n, max_tokens=a.max_tokens, max_turns=spec.max_turns, stop=spec.stop, min_tokens=a.min_tokens,
-                temperature=a.temperature, top_p=a.top_p, overlap=spec.overlap)
+                temperature=a.temperature, top_p=a.top_p, overlap=spec.overlap, decode_batch=spec.decode_batch)
 
 
 def _drain(items: Any, worker: ModelWorker, model: str, prompts: Batch, attrs: Mapping[str, Any],

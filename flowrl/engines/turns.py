@@ -8,7 +8,10 @@ a sample whose observation is back has only its new tokens (the action's last to
 observation's own `tokenizer.encode`) prefilled onto its kept cache, together with any others returning at that
 step, then rejoins the batch. Only when nothing is left to decode does the loop wait on the environments (that
 wait is `idle_s`). Token-in/token-out: the ids returned are exactly the ids sampled and the ids observed, and no
-history is re-tokenised or run again (`prefill_tokens` = prompt + observations).
+history is re-tokenised or run again (`prefill_tokens` = prompt + observations). With `decode_batch` (the engine's
+`max_num_seqs`) at most that many rows decode at once; a trajectory whose turn is due beyond it queues with its
+cache kept, and a leaving row's place goes to the furthest behind (fewest turns taken), so no trajectory trails the
+others into a tail of its own at the end of the rollout.
 
 Sampling: a trajectory's token t of turn k draws from the stream of (seed, prompt slot, sample, turn k) at step
 t (`turn_keys`, over flowrl.engines.sampling's keys), so samples depend on neither the batch make-up nor the
@@ -90,7 +93,7 @@ def generate_turns(module: nn.Module, tokenizer: Tokenizer, prompts: Sequence[Se
                    rows: Sequence[Mapping[str, Any]], envs: Envs, *, n: int = 1, max_tokens: int, max_turns: int,
                    max_total: int | None = None, stop: Sequence[str] = (), min_tokens: int = 0,
                    temperature: float = 1.0, top_p: float = 1.0, seed: int | None = None,
-                   prompt_slots: Sequence[int] | None = None, overlap: bool = True,
+                   prompt_slots: Sequence[int] | None = None, overlap: bool = True, decode_batch: int = 0,
                    device: str | torch.device = "cpu") -> TurnOutput:
     """Sample `n` trajectories per prompt in `envs` (one environment per trajectory, keyed (prompt slot, j),
     reset with `rows[i]`). A turn is at most `max_tokens` tokens and ends at a stop text (part of the action),
@@ -98,11 +101,12 @@ def generate_turns(module: nn.Module, tokenizer: Tokenizer, prompts: Sequence[Se
     ("done", or "error" when it carries an error), after `max_turns` actions ("max_turns"), at EOS ("eos"), or
     when the response would pass `max_total` tokens ("length"; default: the model's positions minus the prompt;
     an observation is appended only if one action token still fits after it). `min_tokens` bans EOS in each
-    turn's first tokens."""
+    turn's first tokens. `decode_batch` (> 0) caps the trajectories decoding at once (vLLM's `max_num_seqs`): the
+    others whose turn is due queue, oldest first, their caches kept; the samples are the same whatever the cap."""
     (whole,) = stream_turns(module, tokenizer, prompts, rows, envs, n=n, max_tokens=max_tokens, max_turns=max_turns,
                             max_total=max_total, stop=stop, min_tokens=min_tokens, temperature=temperature,
-                            top_p=top_p, seed=seed, prompt_slots=prompt_slots, overlap=overlap, device=device,
-                            hand_out=False)
+                            top_p=top_p, seed=seed, prompt_slots=prompt_slots, overlap=overlap,
+                            decode_batch=decode_batch, device=device, hand_out=False)
     assert isinstance(whole, TurnChunk)  # no `park`: never suspended
     return whole.out
 
@@ -111,7 +115,7 @@ def stream_turns(module: nn.Module, tokenizer: Tokenizer, prompts: Sequence[Sequ
                  rows: Sequence[Mapping[str, Any]], envs: Envs, *, n: int = 1, max_tokens: int, max_turns: int,
                  max_total: int | None = None, stop: Sequence[str] = (), min_tokens: int = 0,
                  temperature: float = 1.0, top_p: float = 1.0, seed: int | None = None,
-                 prompt_slots: Sequence[int] | None = None, overlap: bool = True,
+                 prompt_slots: Sequence[int] | None = None, overlap: bool = True, decode_batch: int = 0,
                  device: str | torch.device = "cpu", hand_out: bool = True, chunk: int = 0,
                  park: Callable[[list[float]], bool] | None = None) -> Iterator[TurnChunk | Suspended]:
     """`generate_turns`' trajectories (the same samples), handed out as they finish: with `hand_out`, the ones
@@ -127,6 +131,8 @@ def stream_turns(module: nn.Module, tokenizer: Tokenizer, prompts: Sequence[Sequ
         raise ValueError(f"generate_turns got {len(rows)} rows for {len(prompts)} prompts")
     if max_turns < 1:
         raise ValueError(f"max_turns must be >= 1, got {max_turns}")
+    if decode_batch < 0:
+        raise ValueError(f"decode_batch must be >= 0 (0: every trajectory at once), got {decode_batch}")
     if any(not s for s in stop):
         raise ValueError("stop texts must be non-empty")
     started = time.perf_counter()
@@ -154,14 +160,15 @@ def stream_turns(module: nn.Module, tokenizer: Tokenizer, prompts: Sequence[Sequ
         tr.kv, tr.logits = kvs[i], pre.logits[i]
         tr.future, tr.sent = envs.reset(tr.key, rows[i // n]), time.perf_counter()
     loop = _Loop(module, tokenizer, Sampler(temperature, top_p, min_tokens, lim.eos), table, lim, envs, overlap, n,
-                 ids.shape[1])
+                 ids.shape[1], decode_batch)
     yield from loop.run(trajs, _Clock(started), hand_out=hand_out, chunk=chunk, park=park)
 
 
 def resume_turns(module: nn.Module, tokenizer: Tokenizer, parked: Sequence[Parked],
                  pending: Sequence[Future[Outcome]], envs: Envs, *, n: int = 1, max_tokens: int, max_turns: int,
                  stop: Sequence[str] = (), min_tokens: int = 0, temperature: float = 1.0, top_p: float = 1.0,
-                 overlap: bool = True, device: str | torch.device = "cpu", hand_out: bool = True, chunk: int = 0,
+                 overlap: bool = True, decode_batch: int = 0, device: str | torch.device = "cpu",
+                 hand_out: bool = True, chunk: int = 0,
                  park: Callable[[list[float]], bool] | None = None) -> Iterator[TurnChunk | Suspended]:
     """Go on with trajectories a suspended call parked (`Suspended.rows`), on any instance: each one's history
     (prompt and response so far, but the tokens still to feed) is prefilled once (counted in its
@@ -182,7 +189,7 @@ def resume_turns(module: nn.Module, tokenizer: Tokenizer, parked: Sequence[Parke
         tr.kv, tr.logits = kvs[r], pre.logits[r]
         tr.prefill += len(history[r])
     loop = _Loop(module, tokenizer, Sampler(temperature, top_p, min_tokens, lim.eos), table, lim, envs, overlap, n,
-                 max(len(tr.prompt) for tr in trajs))
+                 max(len(tr.prompt) for tr in trajs), decode_batch)
     yield from loop.run(trajs, _Clock(started), hand_out=hand_out, chunk=chunk, park=park)
 
 
@@ -199,16 +206,18 @@ class _Loop:
     overlap: bool
     n: int
     width: int  # prompt columns of the chunks' prompt_ids
+    cap: int = 0  # rows decoding at once (0: no cap); the others whose turn is due wait in `ready`
 
     def run(self, trajs: list[Traj], clock: _Clock, *, hand_out: bool, chunk: int,
             park: Callable[[list[float]], bool] | None) -> Iterator[TurnChunk | Suspended]:
         lim, envs, tokenizer = self.lim, self.envs, self.tokenizer
         waiting = list(range(len(trajs)))
+        ready: list[int] = []  # observation settled, not in the batch yet (the cap): oldest first
         batch: _Batch | None = None
         no_tokens = torch.zeros(0, dtype=torch.long, device=self.table.device)
         finished: list[int] = []  # ended, not handed out yet
         while True:
-            if batch is None:
+            if batch is None and not ready:
                 if finished and hand_out and waiting:  # the caller's work on them fills the wait below
                     yield clock.chunk(trajs, finished, self.n, self.width, lim.pad)
                     finished = []
@@ -224,13 +233,13 @@ class _Loop:
                      return_when=FIRST_COMPLETED if self.overlap else ALL_COMPLETED)
                 clock.idle += time.perf_counter() - began
             with torch.inference_mode():
-                # The barrier loop looks at its environments only once the whole batch has ended its turns.
-                joining: list[int] = []
-                if waiting and (self.overlap or batch is None):
+                # The barrier loop looks at its environments only once the whole batch has ended its turns (and
+                # every queued row has had its turn).
+                if waiting and (self.overlap or (batch is None and not ready)):
                     back = [i for i in waiting if _future(trajs[i]).done()]
                     returned = set(back)
                     waiting = [i for i in waiting if i not in returned]
-                    joining = [i for i in back if _settle(trajs[i], _future(trajs[i]).result(), lim, tokenizer, envs)]
+                    ready += [i for i in back if _settle(trajs[i], _future(trajs[i]).result(), lim, tokenizer, envs)]
                     finished += [i for i in back if trajs[i].ended]
                 tokens = no_tokens
                 if batch is not None:
@@ -240,6 +249,10 @@ class _Loop:
                         tr.future = envs.step(tr.key, tokenizer.decode(tr.ids[tr.turn_start :]))
                         tr.sent = time.perf_counter()
                         waiting.append(i)
+                if self.cap > 0:  # the furthest behind first (fewest turns taken), so none trails at the end
+                    ready.sort(key=lambda i: trajs[i].turn)
+                room = len(ready) if self.cap <= 0 else self.cap - (len(batch.members) if batch is not None else 0)
+                joining, ready = ready[:room], ready[room:]
                 batch = _advance(self.module, trajs, batch, tokens, joining, lim)
             if hand_out and chunk > 0 and len(finished) >= chunk:
                 yield clock.chunk(trajs, finished, self.n, self.width, lim.pad)

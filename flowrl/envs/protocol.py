@@ -42,6 +42,7 @@ class EnvSpec:
     imports: tuple[str, ...] = ()  # modules the flow imports (`import "..."`), imported first in each worker
     folder: str = "."  # the flow file's folder, put on sys.path in each worker
     overlap: bool = True  # False: the barrier loop (every sample's turn, then every environment, then the next turn)
+    decode_batch: int = 0  # trajectories decoding at once (the engine's max_num_seqs); 0: every one
     options: Mapping[str, Any] = field(default_factory=dict)  # other keys of the block, passed to the class
 
 

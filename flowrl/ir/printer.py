@@ -35,6 +35,7 @@ def env_label(attrs: Mapping[str, Any]) -> str | None:
         return None
     total = attrs.get("max_total") or 0
     extra = f", max_total={total}" if total else ""
+    extra += f", decode_batch={spec['decode_batch']}" if spec.get("decode_batch") else ""
     return f"{spec.get('name')} ({spec.get('kind', 'env')}, max_turns={spec.get('max_turns')}{extra})"
 
 

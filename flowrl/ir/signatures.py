@@ -312,6 +312,7 @@ ENV_KEYS: dict[str, tuple[str, Value]] = {
     "on_error": ("str", "observe"),  # one of ENV_ON_ERROR
     "overlap": ("bool", True),  # false: the barrier loop (every sample's turn, then every environment)
     "max_total": ("int", 0),  # response tokens of a whole trajectory, observations too (0: the model's positions)
+    "decode_batch": ("int", 0),  # trajectories decoding at once, the others queued with their caches (0: all)
 }
 TOOL_KEYS: dict[str, tuple[str, Value]] = {
     "call": ("str", None),  # the marker that opens the tool's arguments (required)
@@ -370,7 +371,8 @@ KEY_LIMITS: dict[str, dict[str, Limit]] = {
                     "concurrency": POSITIVE},
     "env": {"max_turns": POSITIVE, "workers": Limit(0, why="0 runs the environments in threads"),
             "timeout": Limit(0, above=True, why="seconds per reset or step call"),
-            "max_total": Limit(0, why="0: up to the model's positions")},
+            "max_total": Limit(0, why="0: up to the model's positions"),
+            "decode_batch": Limit(0, why="0: every trajectory decodes at once")},
 }
 KEY_LIMITS["tool"] = KEY_LIMITS["env"]
 KEY_CHOICES: dict[str, dict[str, tuple[str, ...]]] = {

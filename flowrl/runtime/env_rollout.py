@@ -115,7 +115,7 @@ def env_generate(module: torch.nn.Module, tokenizer: Tokenizer, ids: Sequence[Se
     out = generate_turns(module, tokenizer, ids, _rows(prompts), envs, n=a.n, max_tokens=a.max_tokens,
                          max_turns=spec.max_turns, max_total=total or None, stop=spec.stop, min_tokens=a.min_tokens,
                          temperature=a.temperature, top_p=a.top_p, seed=step_seed, prompt_slots=slots,
-                         overlap=spec.overlap, device=device)
+                         overlap=spec.overlap, decode_batch=spec.decode_batch, device=device)
     if pool.failed is not None:
         raise _failure(spec, attrs, envs, prompts, slots)
     return rollout_batch(out, tokenizer, prompts, a.temperature)
@@ -137,7 +137,8 @@ def env_stream(module: torch.nn.Module, tokenizer: Tokenizer, ids: Sequence[Sequ
     for part in stream_turns(module, tokenizer, ids, _rows(prompts), envs, n=a.n, max_tokens=a.max_tokens,
                              max_turns=spec.max_turns, max_total=total or None, stop=spec.stop,
                              min_tokens=a.min_tokens, temperature=a.temperature, top_p=a.top_p, seed=step_seed,
-                             prompt_slots=slots, overlap=spec.overlap, device=device):
+                             prompt_slots=slots, overlap=spec.overlap, decode_batch=spec.decode_batch,
+                             device=device):
         if pool.failed is not None:
             raise _failure(spec, attrs, envs, prompts, slots)
         assert isinstance(part, TurnChunk)  # no `park`: never suspended

@@ -221,7 +221,7 @@ def test_a_key_neither_of_the_block_nor_of_the_class(compile_error: Error) -> No
         t.flow:4:35: error: unknown env key `level`
             env game = "dsl_envs.Countdown" { level = 2 }
                                               ^^^^^
-        hint: env keys: max_turns, stop, workers, timeout, on_error, overlap, max_total; Countdown takes turns
+        hint: env keys: max_turns, stop, workers, timeout, on_error, overlap, max_total, decode_batch; Countdown takes turns
     """)
 
 
@@ -232,7 +232,7 @@ def test_a_tool_takes_no_other_key(compile_error: Error) -> None:
         t.flow:4:52: error: unknown tool key `level`
             tool add = "dsl_envs.add" { call = "<", end = ">", level = 2 }
                                                                ^^^^^
-        hint: tool keys: call, end, max_turns, workers, timeout, on_error, overlap, max_total
+        hint: tool keys: call, end, max_turns, workers, timeout, on_error, overlap, max_total, decode_batch
     """)
 
 

@@ -421,3 +421,47 @@ def test_bad_arguments() -> None:
         _run(module, tok, E.ThreadEnvs(E.CountEnv), max_turns=0)
     with pytest.raises(ValueError, match="3 rows for 4 prompts"):
         _run(module, tok, E.ThreadEnvs(E.CountEnv), rows=ROWS[:3])
+
+
+def _decode_rows(module: Any) -> tuple[list[int], Any]:
+    """The rows of every forward after the prompts' prefill (decode steps and joining rows' prefills)."""
+    rows: list[int] = []
+
+    def hook(_mod: nn.Module, args: Any, kwargs: Any) -> None:
+        rows.append(int(kwargs["input_ids"].shape[0]))
+
+    return rows, module.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_decode_batch_caps_the_rows_decoding_and_keeps_the_samples(overlap: bool) -> None:
+    module, tok = _model()
+    base = _run(module, tok, E.ThreadEnvs(E.GuessEnv))
+    for cap, seed in ((1, 0), (3, 40)):
+        rows, handle = _decode_rows(module)
+        try:
+            run = _run(module, tok, E.ThreadEnvs(_seeded_slow(seed), workers=8), overlap=overlap, decode_batch=cap)
+        finally:
+            handle.remove()
+        assert _trajectories(run) == _trajectories(base)
+        assert run.ended == base.ended and torch.equal(run.turns, base.turns)
+        assert torch.allclose(run.logprobs[:, : base.logprobs.shape[1]], base.logprobs, atol=1e-5)
+        assert rows[0] == len(TEXTS)  # the prompts' prefill: every prompt, once
+        assert max(rows[1:]) == cap  # 8 trajectories, never more than the cap decoding at once, and the cap reached
+
+
+def test_a_queued_trajectory_decodes_while_the_batchs_only_row_waits_on_its_environment() -> None:
+    """decode_batch = 1: the first trajectory's environment answers only after the second has taken all its turns,
+    so the run ends only if the queued one joins when the first leaves the batch (not when its environment answers)."""
+    module, tok = _model()
+    relay = _Relay(max_turns=3)
+    out = _run(module, tok, E.ThreadEnvs(relay, workers=4), texts=TEXTS[:2], rows=ROWS[:2], n=1, max_turns=3,
+               stop=(), decode_batch=1)  # fmt: skip
+    assert relay.unblocked is True
+    assert out.ended == ["done", "max_turns"] and out.turns.tolist() == [1, 3]
+
+
+def test_decode_batch_must_not_be_negative() -> None:
+    module, tok = _model()
+    with pytest.raises(ValueError, match="decode_batch must be >= 0"):
+        _run(module, tok, E.ThreadEnvs(E.CountEnv), decode_batch=-1)

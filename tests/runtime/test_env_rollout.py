@@ -20,6 +20,7 @@ import flowrl
 from flowrl import backends
 from flowrl.errors import ExecutionError
 from flowrl.ir.graph import Graph
+from flowrl.ir.printer import to_text
 from flowrl.runtime.batch import Batch, training_batch
 from flowrl.runtime.worker import ModelWorker
 
@@ -152,6 +153,15 @@ def test_the_same_samples_on_every_backend_whatever_the_envs_timing(tmp_path: Pa
     two = {"actor.replicas": "2", "ref.replicas": "2"}
     assert _rollouts(tmp_path / "threads", "threads", two) == local
     assert _rollouts(tmp_path / "process", "process", two) == local
+
+
+def test_decode_batch_is_in_the_graph_and_keeps_the_samples(tmp_path: Path) -> None:
+    """`decode_batch = 1` (one trajectory decoding at a time, the others queued) on the local backend: the
+    compiled graph says so, and the rollout is the one every trajectory decoding at once gives."""
+    capped = _rollouts(tmp_path / "capped", "local", {"game.decode_batch": "1"})
+    graph = flowrl.load(str(tmp_path / "capped" / "game.flow"), overrides={"game.decode_batch": "1"})
+    assert "env=game (env, max_turns=3, decode_batch=1)" in to_text(graph)
+    assert capped == _rollouts(tmp_path / "all", "local", {})
 
 
 def test_an_env_that_raises_under_on_error_raise_names_the_sample(tmp_path: Path) -> None:
