@@ -6,8 +6,13 @@ The same `generate_turns` call (flowrl.engines.turns) on the same tiny policy, p
 turn). The environments are examples/envs/latency.py in the production pool (flowrl.envs.pool.EnvPool, warm
 processes): each step waits a lognormal time (p99/p50 = exp(2.326 sigma), 6.4 at sigma 0.8) drawn from the
 trajectory's own seeded stream, so both loops wait exactly the same times. The median is set from the measured
-decode time of one turn (the barrier loop's busy time against environments that answer at once, over its turns),
-so a step costs about a turn.
+decode time of one trajectory's turn (the barrier loop's busy time against environments that answer at once, over
+its turns and, with `--decode-batch C`, over the ceil(N / C) decode batches each turn takes), so a step costs about
+a turn.
+
+`--decode-batch C` (the env key `decode_batch`, an engine's max_num_seqs): at most C trajectories decode at once,
+the others queue with their caches kept, in both loops; a rollout of N > C trajectories is the usual shape (a
+step's thousands of samples against a decode batch of hundreds).
 
 With `--forwards` (issue 26 item 4) each rollout is followed by the forwards grpo runs over it, the policy's
 old log-probs and the reference's log-probs (`forward_logprobs`, as `ModelWorker.logprobs` runs them), and three
@@ -25,6 +30,7 @@ Issue 26's targets: >= 2x trajectories/s with the overlap, idle <= 10%.
 
     python bench/multiturn.py --rounds 3
     python bench/multiturn.py --rounds 3 --forwards
+    python bench/multiturn.py --rounds 5 --batch 256 --decode-batch 64 --forwards
 """
 
 from __future__ import annotations
@@ -79,7 +85,7 @@ def _inputs(model: Any, args: argparse.Namespace) -> tuple[list[list[int]], list
     prompts = [tok.encode(f"{i % 90 + 10}+{(7 * i) % 90 + 10}=") for i in range(args.batch)]
     rows = [{"id": i} for i in range(args.batch)]
     kw = dict(n=1, max_tokens=args.tokens, min_tokens=args.tokens, max_turns=args.turns, temperature=1.0,
-              seed=args.seed)
+              seed=args.seed, decode_batch=args.decode_batch)
     return prompts, rows, kw
 
 
@@ -118,6 +124,7 @@ def with_forwards(models: list[Any], args: argparse.Namespace, *, median: float,
             chunks: list[TurnChunk] = []
             parts: list[list[torch.Tensor]] = []
             for c in stream_turns(policy.module, policy.tokenizer, prompts, rows, pool, overlap=True, **kw):
+                assert isinstance(c, TurnChunk)  # no `park`: never suspended
                 chunks.append(c)
                 parts.append(_forwards(models, c.out))  # while every live trajectory waits on its environment
             wall = gen_s = time.perf_counter() - began
@@ -177,16 +184,21 @@ def main() -> None:
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="torch threads (the decode loop's)")
+    p.add_argument("--decode-batch", type=int, default=0,
+                   help="trajectories decoding at once (the engine's max_num_seqs; 0: every one)")
     p.add_argument("--forwards", action="store_true",
                    help="time each rollout with grpo's forwards over it: fused (streamed) vs overlap vs barrier")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     model = build(args.dim)
     median = args.median
+    waves = math.ceil(args.batch / args.decode_batch) if args.decode_batch > 0 else 1
     if median <= 0:  # one turn's decode time: the same rollout against environments that answer at once
         quick = [rollout(model, args, median=0.0, overlap=False) for _ in range(2)][-1]
-        median = (quick.wall_s - quick.idle_s) / args.turns  # decoding, not the pool's round trips
-        print(f"decode time of one turn ({args.batch} trajectories, {args.tokens} tokens): {median * 1000:.1f} ms"
+        # Decoding, not the pool's round trips; a trajectory's turn is one of the turn's `waves` decode batches.
+        median = (quick.wall_s - quick.idle_s) / (args.turns * waves)
+        print(f"decode time of one trajectory's turn ({min(args.batch, args.decode_batch or args.batch)} decoding"
+              f" at once of {args.batch}, {args.tokens} tokens): {median * 1000:.1f} ms"
               f" (the barrier loop with environments that answer at once: {quick.wall_s:.2f} s wall,"
               f" {quick.idle_s:.2f} s waiting on the pool)", flush=True)
     print(f"latency: lognormal, median {median * 1000:.1f} ms, sigma {args.sigma}, p99/p50 "
