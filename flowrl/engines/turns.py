@@ -102,7 +102,8 @@ def generate_turns(module: nn.Module, tokenizer: Tokenizer, prompts: Sequence[Se
     when the response would pass `max_total` tokens ("length"; default: the model's positions minus the prompt;
     an observation is appended only if one action token still fits after it). `min_tokens` bans EOS in each
     turn's first tokens. `decode_batch` (> 0) caps the trajectories decoding at once (vLLM's `max_num_seqs`): the
-    others whose turn is due queue, oldest first, their caches kept; the samples are the same whatever the cap."""
+    others whose turn is due queue with their caches kept, the furthest behind (fewest turns taken) first; the
+    samples are the same whatever the cap."""
     (whole,) = stream_turns(module, tokenizer, prompts, rows, envs, n=n, max_tokens=max_tokens, max_turns=max_turns,
                             max_total=max_total, stop=stop, min_tokens=min_tokens, temperature=temperature,
                             top_p=top_p, seed=seed, prompt_slots=prompt_slots, overlap=overlap,
@@ -212,7 +213,7 @@ class _Loop:
             park: Callable[[list[float]], bool] | None) -> Iterator[TurnChunk | Suspended]:
         lim, envs, tokenizer = self.lim, self.envs, self.tokenizer
         waiting = list(range(len(trajs)))
-        ready: list[int] = []  # observation settled, not in the batch yet (the cap): oldest first
+        ready: list[int] = []  # observation settled, not in the batch yet (the cap)
         batch: _Batch | None = None
         no_tokens = torch.zeros(0, dtype=torch.long, device=self.table.device)
         finished: list[int] = []  # ended, not handed out yet
