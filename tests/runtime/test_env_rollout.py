@@ -147,11 +147,13 @@ def _rollouts(tmp_path: Path, backend: str, overrides: dict[str, str]) -> dict[s
 
 
 def test_the_same_samples_on_every_backend_whatever_the_envs_timing(tmp_path: Path) -> None:
-    """SlowEcho answers after a random 0-20 ms; threads and process split the prompts over two ranks."""
+    """SlowEcho answers after a random 0-20 ms; threads and process split the prompts over two ranks (threads also
+    with one trajectory decoding at a time on each)."""
     local = _rollouts(tmp_path / "local", "local", {})
     assert sum(map(len, local["ids"])) > 0
     two = {"actor.replicas": "2", "ref.replicas": "2"}
     assert _rollouts(tmp_path / "threads", "threads", two) == local
+    assert _rollouts(tmp_path / "queued", "threads", {**two, "game.decode_batch": "1"}) == local
     assert _rollouts(tmp_path / "process", "process", two) == local
 
 
