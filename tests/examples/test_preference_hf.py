@@ -1,0 +1,144 @@
+"""The preference pipelines on a real Hugging Face checkpoint: examples/sums_dpo.flow (SFT -> DPO) and
+examples/sums_pipeline.flow (SFT -> reward model -> PPO) with their policy's `source` replaced by `hf:DIR`, a
+2-layer GPT-2 written in tmp_path by `save_pretrained` with a character-level `PreTrainedTokenizerFast` (its own
+EOS and pad ids, or none for pad; no BOS, or one; nothing downloaded). A few steps a stage: every stage runs, its
+metrics are finite, the weights pass from stage to stage, and the reward model built from the causal LM gets a
+value head and reports its held-out accuracy."""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from flowrl import backends
+from flowrl.compiler import compile_any
+from flowrl.dsl.stages import Pipeline
+from flowrl.runtime.pipeline import PipelineResult, run_pipeline
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+CHARSET = "0123456789+="
+POSITIONS = 64
+UNK = len(CHARSET) + 1  # the id of <unk> in hf_checkpoint's vocabulary
+
+
+def hf_checkpoint(path: Path, charset: str, *, bos: bool = False, pad: bool = True) -> None:
+    """A 2-layer GPT-2 (64 positions) and a character-level tokenizer over `charset`, saved as a Hugging Face
+    directory: specials after the characters; with `bos` a BOS token (Llama's tokenizers have one), without `pad`
+    no pad token (GPT-2's and Llama's ship without one)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
+
+    n = len(charset)
+    specials = ["<eos>", "<unk>", *(["<pad>"] if pad else []), *(["<bos>"] if bos else [])]
+    vocab = {c: i for i, c in enumerate(charset)} | {s: n + i for i, s in enumerate(specials)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", unk_token="<unk>",
+                                   **({"pad_token": "<pad>"} if pad else {}), **({"bos_token": "<bos>"} if bos else {}))
+    fast.save_pretrained(path)
+    torch.manual_seed(0)
+    GPT2LMHeadModel(GPT2Config(vocab_size=len(vocab), n_embd=32, n_layer=2, n_head=2, n_positions=POSITIONS,
+                               bos_token_id=vocab.get("<bos>"), eos_token_id=vocab["<eos>"],
+                               pad_token_id=vocab.get("<pad>"))).save_pretrained(path)
+
+
+def hf_flow(name: str, tmp_path: Path, **tokenizer: bool) -> tuple[Path, Path]:
+    """examples/NAME.flow in tmp_path with the actor's block replaced by one on an `hf:` checkpoint (the shape keys
+    belong to tiny sources) and its data read from examples/data by absolute path; (flow, checkpoint)."""
+    ckpt = tmp_path / "ckpt"
+    hf_checkpoint(ckpt, CHARSET, **tokenizer)
+    text = (EXAMPLES / f"{name}.flow").read_text(encoding="utf-8")
+    actor = re.search(r"^model actor : policy \{.*?^\}", text, re.M | re.S)
+    assert actor and 'source  = "tiny:gpt2"' in actor[0]
+    text = text.replace(actor[0], f'model actor : policy {{ source = "hf:{ckpt}", lr = 1e-3 }}')
+    text = text.replace('jsonl("data/', f'jsonl("{EXAMPLES}/data/')
+    flow = tmp_path / f"{name}.flow"
+    flow.write_text(text, encoding="utf-8")
+    return flow, ckpt
+
+
+def run_staged(flow: Path, out: Path, overrides: dict[str, str]) -> tuple[Pipeline, PipelineResult]:
+    pipe = compile_any(str(flow), overrides)
+    assert isinstance(pipe, Pipeline)
+    return pipe, run_pipeline(pipe, out_dir=out, backend=lambda stage: backends.make("local"))
+
+
+def finite(row: dict[str, Any]) -> bool:
+    return all(math.isfinite(v) for v in row.values() if isinstance(v, float))
+
+
+@pytest.mark.parametrize("tokenizer", [{"bos": False, "pad": True}, {"bos": True, "pad": False}],
+                         ids=["pad-no-bos", "bos-no-pad"])
+def test_sft_then_dpo_on_a_hf_checkpoint(tmp_path: Path, tokenizer: dict[str, bool]) -> None:
+    flow, ckpt = hf_flow("sums_dpo", tmp_path, **tokenizer)
+    pipe, result = run_staged(flow, tmp_path / "out", {
+        "stage.sft.steps": "3", "stage.dpo.steps": "3", "stage.dpo.use.eval_every": "3",
+        "run.checkpoint_every": "100", "pairs.batch": "16"})
+    assert pipe.names == ("sft", "dpo")
+    for stage in pipe.stages:
+        assert stage.graph.model("actor").source == f"hf:{ckpt}"
+    rows = result.metrics
+    assert [(r["stage"], r["stage_step"]) for r in rows] == [("sft", 1), ("sft", 2), ("sft", 3),
+                                                             ("dpo", 1), ("dpo", 2), ("dpo", 3)]
+    assert all(finite(r) for r in rows)
+    assert all(r["actor/sft_loss"] > 0 for r in rows[:3])
+    assert "actor/eval/rewards/accuracies" in rows[-1]
+    out = result.out_dir
+    sft = torch.load(out / "stages/sft/models.pt")["actor"]
+    dpo = torch.load(out / "stages/dpo/models.pt")
+    # the reference is first used by DPO with source = actor: SFT's actor, never trained
+    assert all(torch.equal(dpo["ref"][k], sft[k]) for k in sft)
+    assert not all(torch.equal(dpo["actor"][k], sft[k]) for k in sft)
+    from transformers import GPT2LMHeadModel
+    initial = GPT2LMHeadModel.from_pretrained(ckpt).state_dict()
+    assert not all(torch.equal(sft[k], initial[k]) for k in sft)  # SFT trained the checkpoint's weights on
+    # DPO's first step: the policy is the reference, so its implicit rewards are 0 and its loss log 2
+    assert rows[3]["actor/rewards/margins"] == 0.0
+    assert abs(rows[3]["actor/dpo_loss"] - math.log(2)) < 1e-6
+
+
+def test_sft_then_reward_model_then_ppo_on_a_hf_checkpoint(tmp_path: Path) -> None:
+    flow, ckpt = hf_flow("sums_pipeline", tmp_path)
+    pipe, result = run_staged(flow, tmp_path / "out", {
+        "run.steps": "3", "run.checkpoint_every": "100", "pairs.batch": "16", "prompts.batch": "4",
+        "stage.rm.use.eval_every": "3", "stage.rm_anneal.use.eval_every": "3"})
+    assert pipe.names == ("sft", "rm", "rm_anneal", "ppo")
+    for stage in pipe.stages:
+        assert all(m.source == f"hf:{ckpt}" for m in stage.graph.models)  # rm, critic, ref: source = actor
+    rows = result.metrics
+    assert [r["stage"] for r in rows] == ["sft"] * 3 + ["rm"] * 3 + ["rm_anneal"] * 3 + ["ppo"] * 3
+    assert all(finite(r) for r in rows)
+    held = [r["rm/eval_accuracy"] for r in rows if "rm/eval_accuracy" in r]
+    assert len(held) == 2  # rm's and rm_anneal's third steps, each over the 200 held-out pairs
+    assert all(0.0 <= a <= 1.0 and abs(a * 200 - round(a * 200)) < 1e-4 for a in held), held
+    ppo = [r for r in rows if r["stage"] == "ppo"]
+    assert all(r["gen_tokens"] > 0 for r in ppo)
+    out = result.out_dir
+    sft = torch.load(out / "stages/sft/models.pt")["actor"]
+    rm = torch.load(out / "stages/rm/models.pt")["rm"]
+    final = torch.load(out / "stages/ppo/models.pt")
+    from transformers import GPT2LMHeadModel
+    initial = GPT2LMHeadModel.from_pretrained(ckpt).state_dict()
+    # the reward model is the causal LM's base transformer and a value head, its LM head dropped
+    assert {k for k in rm if not k.startswith("backbone.")} == {"value_head.weight", "value_head.bias"}
+    assert {k.removeprefix("backbone.") for k in rm if k.startswith("backbone.")} == {
+        k.removeprefix("transformer.") for k in sft if k.startswith("transformer.")}
+    assert sorted(final) == ["actor", "critic", "ref", "rm"]
+    # ref is first used by PPO (source = actor): SFT's actor, never trained
+    assert all(torch.equal(final["ref"][k], sft[k]) for k in sft)
+    # The reward model starts the rm stage from SFT's backbone: the embedding row of <unk>, in no pair, gets no
+    # gradient in a value model (no LM head), so it stays what SFT made it through the LM head (tied to the
+    # embeddings), which is not the checkpoint's.
+    wte = "transformer.wte.weight"
+    assert not torch.equal(sft[wte][UNK], initial[wte][UNK])
+    assert torch.equal(rm["backbone.wte.weight"][UNK], sft[wte][UNK])
+    # PPO scores with the annealed reward model and never trains it
+    annealed = torch.load(out / "stages/rm_anneal/models.pt")["rm"]
+    assert all(torch.equal(final["rm"][k], annealed[k]) for k in annealed)
+    assert not all(torch.equal(annealed[k], rm[k]) for k in rm)
+
