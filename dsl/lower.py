@@ -29,6 +29,7 @@ from flowrl.ir.signatures import (
     REWARD_KINDS,
     RUN_KEYS,
 )
+from flowrl.models.sources import hf_positions
 
 from . import ast
 from .checks import Flow, check_device, check_flow, check_shape, check_source
@@ -352,6 +353,9 @@ class _Lowering:
                 config[key] = v if good else default
             elif tiny and default is not None:
                 config[key] = default
+        positions = None if tiny else hf_positions(source[3:])
+        if positions is not None:  # the workers fit prompts and pairs to `context`: the checkpoint's, not 512
+            config["context"] = positions
         return source, config
 
     def _source(self, d: ast.ModelDecl, block: dict[str, _Entry], blocks: Mapping[str, dict[str, _Entry]],

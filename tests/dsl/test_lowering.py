@@ -94,7 +94,9 @@ def test_declarations(compile_ok: Compile, in_flows: Path) -> None:
     assert (critic.source, critic.source_model, critic.trainable, critic.replicas) == ("tiny:gpt2", "ref", True, "auto")
     assert dict(critic.config) == dict(ref.config)
     assert judge.source == "hf:" + str(in_flows / "ckpt" / "judge")
-    assert (judge.trainable, judge.lr, dict(judge.config), judge.options["dtype"]) == (False, 1e-3, {}, "bfloat16")
+    # an hf: model's config holds its config.json's positions as `context` (what the workers fit prompts to)
+    assert (judge.trainable, judge.lr, dict(judge.config), judge.options["dtype"]) == (False, 1e-3, {"context": 64},
+                                                                                       "bfloat16")
     assert [(r.name, r.target, r.batched) for r in g.rewards] == [("correct", "arith_exact", False)]
     assert [d.name for d in g.data] == ["prompts", "unused"]
     assert g.data[0].path == str(in_flows / "data" / "arith.jsonl") and g.data[0].options["batch"] == 4

@@ -3,10 +3,11 @@ examples/sums_pipeline.flow (SFT -> reward model -> PPO) with their policy's `so
 2-layer GPT-2 written in tmp_path by `save_pretrained` with a character-level `PreTrainedTokenizerFast` (its own
 EOS and pad ids, or none for pad; no BOS, or one; nothing downloaded). A few steps a stage: every stage runs, its
 metrics are finite, the weights pass from stage to stage, and the reward model built from the causal LM gets a
-value head and reports its held-out accuracy."""
+value head and reports its held-out accuracy. Data longer than the checkpoint's positions is fitted to them."""
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from pathlib import Path
@@ -142,3 +143,40 @@ def test_sft_then_reward_model_then_ppo_on_a_hf_checkpoint(tmp_path: Path) -> No
     assert all(torch.equal(final["rm"][k], annealed[k]) for k in annealed)
     assert not all(torch.equal(annealed[k], rm[k]) for k in rm)
 
+
+LONG_FLOW = """flow long
+model actor  : policy       {{ source = "hf:{ckpt}", lr = 1e-3 }}
+model ref    : reference    {{ source = actor }}
+model rm     : reward_model {{ source = actor, lr = 1e-3 }}
+model critic : critic       {{ source = actor, lr = 1e-3 }}
+data demos   = jsonl("demos.jsonl") {{ batch = 2 }}
+data pairs   = jsonl("pairs.jsonl") {{ batch = 2 }}
+data prompts = jsonl("prompts.jsonl") {{ batch = 2 }}
+run {{ seed = 0, steps = 1 }}
+stage sft {{ use sft(demos = demos) }}
+stage rm  {{ use reward_model(pairs = pairs) }}
+stage ppo {{ use ppo(reward = rm, group = 2, max_tokens = 4) }}
+"""
+
+
+def test_prompts_and_pairs_longer_than_the_checkpoints_positions_are_cut_to_them(tmp_path: Path) -> None:
+    """A demonstration, a pair and a prompt each longer than the checkpoint's 64 positions are fitted to them, as a
+    tiny model's are to its `context`: the graph's config carries the checkpoint's positions (the workers used 512
+    for every hf: model, and the position embeddings' lookup failed with an IndexError)."""
+    ckpt = tmp_path / "ckpt"
+    hf_checkpoint(ckpt, CHARSET)
+    long_prompt = "12+34=" * 12  # 72 tokens
+    rows: dict[str, list[dict[str, object]]] = {
+        "demos": [{"prompt": long_prompt, "response": "46" * 20}] * 2,
+        "pairs": [{"prompt": long_prompt, "chosen": "46" * 20, "rejected": "47" * 20}] * 2,
+        "prompts": [{"prompt": long_prompt, "answer": 46}] * 2}
+    for name, table in rows.items():
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in table), encoding="utf-8")
+    (tmp_path / "long.flow").write_text(LONG_FLOW.format(ckpt=ckpt), encoding="utf-8")
+    pipe, result = run_staged(tmp_path / "long.flow", tmp_path / "out", {})
+    for stage in pipe.stages:
+        assert {m.name: m.config.get("context") for m in stage.graph.models} == dict.fromkeys(
+            (m.name for m in stage.graph.models), POSITIONS)
+    assert [r["stage"] for r in result.metrics] == ["sft", "rm", "ppo"]
+    assert all(finite(r) for r in result.metrics)
+    assert result.metrics[-1]["gen_tokens"] > 0
