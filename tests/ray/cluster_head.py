@@ -1,6 +1,10 @@
 """A private Ray head for the tests that join a cluster the way a user does (`flowrl run --address`): started
 with `ray start --head` on free ports in a session of its own, stopped by killing that session's processes (never
-`ray stop`, which stops every Ray instance on the machine); and the flows those tests run."""
+`ray stop`, which stops every Ray instance on the machine); `flowrl run` against it, alone or counted from outside
+by a second driver (slot_sampler.py); and the flows those tests run.
+
+Tests are not a package (pytest imports them by path): they get this module from the `cluster` fixture
+(tests/ray/conftest.py)."""
 
 from __future__ import annotations
 
@@ -14,12 +18,14 @@ import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import psutil
 
 ROOT = Path(__file__).resolve().parents[2]
 RAY = Path(sys.executable).parent / "ray"
 DATA = ROOT / "examples" / "data" / "longtail.jsonl"
+SAMPLER = Path(__file__).with_name("slot_sampler.py")
 
 
 def free_port() -> int:
@@ -71,6 +77,43 @@ def _sid(p: psutil.Process) -> int | None:
         return os.getsid(p.pid)
     except (ProcessLookupError, PermissionError):
         return None
+
+
+def run_flow(flow: Path, address: str, out: Path, backend: str = "serverless", steps: int | None = None,
+             timeout_s: float = 900, extra: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
+    """`flowrl run FLOW --backend BACKEND --address ADDRESS [--steps STEPS] --out OUT EXTRA...` in a process of its
+    own, as a user runs it against a cluster; bounded by `timeout_s`, so a hang fails a test instead of stopping
+    the suite."""
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    cmd = [sys.executable, "-m", "flowrl", "run", str(flow), "--backend", backend, "--address", address,
+           *(("--steps", str(steps)) if steps is not None else ()), "--out", str(out), *extra]
+    return subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
+
+
+def sampled_run(flow: Path, tmp: Path, backend: str, slots: int, cpus: int = 2, steps: int | None = None,
+                resource: str = "device_slot") -> tuple[dict[str, float], dict[str, Any]]:
+    """`flowrl run` of `flow` (out: tmp/run) joined to a private head with `slots` device slots and `cpus` CPUs,
+    while a second driver on the same cluster (slot_sampler.py) integrates the `resource` in use, from before the
+    run asks for anything until its driver has exited -> (the sampler's figures, the run's cost.json)."""
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    with head(slots, cpus) as address:
+        ready, counted = tmp / "sampling", tmp / "sampled.json"
+        sampler = subprocess.Popen([sys.executable, str(SAMPLER), address, str(counted), str(ready), resource],
+                                   stdin=subprocess.PIPE, env=env, cwd=ROOT)
+        try:
+            while not ready.exists():  # the sampler counts from before the run reserves anything
+                assert sampler.poll() is None, "the sampler ended before it began counting"
+                try:
+                    sampler.wait(timeout=0.05)
+                except subprocess.TimeoutExpired:
+                    pass
+            run = run_flow(flow, address, tmp / "run", backend, steps)
+            assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+        finally:
+            assert sampler.stdin is not None
+            sampler.stdin.close()  # the run's driver has exited: everything it held is back
+            sampler.wait(timeout=120)
+    return json.loads(counted.read_text()), json.loads((tmp / "run" / "cost.json").read_text())
 
 
 def longtail_flow(out: Path, rollout: str, train: str = "1..1", run: str = "", batch: int = 8, group: int = 4,

@@ -1,11 +1,14 @@
-"""Fixtures for the ray backend tests: ONE Ray instance for the whole session, tiny flows, a step driver."""
+"""Fixtures for the ray backend tests: ONE Ray instance for the whole session, tiny flows, a step driver, and the
+private-head helpers (cluster_head.py) for the tests that join a cluster as a user does."""
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -15,6 +18,18 @@ from flowrl.ir.graph import Graph
 
 DATA = Path(__file__).resolve().parents[2] / "examples" / "data" / "arith.jsonl"
 TIMES = ("step_time_s", "tokens_per_s")
+
+
+@pytest.fixture(scope="session")
+def cluster() -> ModuleType:
+    """tests/ray/cluster_head.py: a private Ray head, `flowrl run` against it (sampled from outside or not), the
+    long-tail flow. Loaded by path: tests are not a package (pytest imports them by path), so a test cannot import
+    a module beside it."""
+    spec = importlib.util.spec_from_file_location("cluster_head", Path(__file__).with_name("cluster_head.py"))
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @pytest.fixture(scope="session")

@@ -1,11 +1,13 @@
 """A second driver on a Ray cluster that counts device slots in use from outside a run (tests/ray): it joins the
 cluster at ADDRESS, samples `ray.available_resources()` every ~10 ms and integrates the busy `device_slot`s
 (the cluster's total minus what is available) over time, until its standard input closes; then it writes
-{"busy_slot_s", "samples", "most_busy"} to OUT as JSON.
+{"busy_slot_s", "samples", "most_busy", "total"} to OUT as JSON.
 
-    python tests/ray/slot_sampler.py ADDRESS OUT READY
+    python tests/ray/slot_sampler.py ADDRESS OUT READY [RESOURCE]
 
-READY is created after the first sample, so a test starts its run only once the sampler is counting.
+READY is created after the first sample, so a test starts its run only once the sampler is counting. RESOURCE
+(default `device_slot`) counts another resource instead: `CPU` for the Ray backend, whose placement groups' bundles
+ask for one CPU a rank on a cluster without GPUs. cluster_head.sampled_run starts it around a run.
 """
 
 from __future__ import annotations
@@ -23,17 +25,17 @@ SLOT = "device_slot"
 PERIOD_S = 0.01
 
 
-def main(address: str, out: Path, ready: Path) -> None:
+def main(address: str, out: Path, ready: Path, slot: str = SLOT) -> None:
     ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
-    total = float(ray.cluster_resources().get(SLOT, 0.0))
+    total = float(ray.cluster_resources().get(slot, 0.0))
     stop = threading.Event()
     threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
     integral, samples, most = 0.0, 0, 0.0
-    last_t, last_busy = time.monotonic(), total - float(ray.available_resources().get(SLOT, 0.0))
+    last_t, last_busy = time.monotonic(), total - float(ray.available_resources().get(slot, 0.0))
     ready.touch()
     while not stop.wait(PERIOD_S):
         now = time.monotonic()
-        busy = total - float(ray.available_resources().get(SLOT, 0.0))
+        busy = total - float(ray.available_resources().get(slot, 0.0))
         integral += (now - last_t) * (last_busy + busy) / 2  # trapezoids between samples
         last_t, last_busy = now, busy
         samples += 1
@@ -43,4 +45,4 @@ def main(address: str, out: Path, ready: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3]))
+    main(sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3]), *sys.argv[4:5])

@@ -11,29 +11,18 @@ Each run is a child process that joins a private Ray head (tests/ray/cluster_hea
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
 
 pytestmark = pytest.mark.ray
 
-
-def _helper(name: str) -> Any:
-    """A helper module beside this file (tests are not a package: pytest imports them by path)."""
-    spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-cluster = _helper("cluster_head")
 
 # The child: run, then wait until the cluster is left as it was or LEFT_S passed, and say what it saw last. The
 # bound only turns "never released" into a failure instead of a hang: the leases of the last tasks go back to
@@ -68,7 +57,7 @@ print(json.dumps({**seen, "steps": len(res.metrics)}))
 """
 
 
-def _left_on(flow: Path, out: Path, slots: int) -> dict[str, Any]:
+def _left_on(cluster: ModuleType, flow: Path, out: Path, slots: int) -> dict[str, Any]:
     """Run `flow` (serverless, joined to a private head of `slots` device slots) -> what the cluster held after."""
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
     with cluster.head(slots) as address:
@@ -86,17 +75,18 @@ def _assert_nothing_left(seen: dict[str, Any], steps: int) -> None:
 
 
 @pytest.mark.parametrize("gen, k", [("1", 0), ("0..2", 1)], ids=["lower-bounds-warm", "async-prewarmed"])
-def test_nothing_of_the_run_stays_on_the_cluster(split_grpo: Any, tmp_path: Path, gen: str, k: int) -> None:
+def test_nothing_of_the_run_stays_on_the_cluster(split_grpo: Any, tmp_path: Path, cluster: ModuleType, gen: str,
+                                                 k: int) -> None:
     """Both pools keep their lower bound warm (`gpus = 1` reads 1..1), or generation scales 0..2 and rolls out
     one step ahead (max_staleness 1, the rollout thread), each pool's instances pre-warmed and released."""
     split_grpo(gen=gen, k=k, steps=3)
-    _assert_nothing_left(_left_on(tmp_path / "f.flow", tmp_path / "out", 2), 3)
+    _assert_nothing_left(_left_on(cluster, tmp_path / "f.flow", tmp_path / "out", 2), 3)
 
 
-def test_nothing_stays_after_a_streamed_migrating_run(tmp_path: Path) -> None:
+def test_nothing_stays_after_a_streamed_migrating_run(tmp_path: Path, cluster: ModuleType) -> None:
     """A long-tail flow with pre-warm, migration, the deduplicated prefill and a fused stage streamed between
     the pools (its chunks and words handed over in the Mailbox): nothing of those stays either."""
     flow = cluster.longtail_flow(tmp_path, "1..2", "1..1", batch=4, group=4, max_tokens=16,
                                  run=', prewarm = true, migrate_at = 0.5, dedup_prefill = "auto", '
                                      "prewarm_margin = 0.5, cost_weight = 1.0, steps = 3")
-    _assert_nothing_left(_left_on(flow, tmp_path / "run", 3), 3)
+    _assert_nothing_left(_left_on(cluster, flow, tmp_path / "run", 3), 3)

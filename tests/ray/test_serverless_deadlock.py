@@ -5,44 +5,22 @@ pool whose lower bound the cluster cannot give fails with an error naming it. Ea
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
-from typing import Any
+from types import ModuleType
 
 import pytest
 
 pytestmark = pytest.mark.ray
 
 
-def _helper(name: str) -> Any:
-    """A helper module beside this file (tests are not a package: pytest imports them by path)."""
-    spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-cluster = _helper("cluster_head")
 STEPS = 50
-
-
-def _run(flow: Path, address: str, out: Path, steps: int, timeout_s: float = 1200,
-         extra: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
-    return subprocess.run([sys.executable, "-m", "flowrl", "run", str(flow), "--backend", "serverless", "--address",
-                           address, "--steps", str(steps), "--out", str(out), *extra],
-                          env=env, cwd=cluster.ROOT, capture_output=True, text=True, timeout=timeout_s)
 
 
 @pytest.mark.parametrize("slots, fused, tokens", [(2, False, 64), (2, True, 16), (1, True, 16)],
                          ids=["2-unfused", "2-fused", "1-fused"])
-def test_the_long_tail_flow_runs_to_the_end_on_a_small_cluster(tmp_path: Path, slots: int, fused: bool,
-                                                                tokens: int) -> None:
+def test_the_long_tail_flow_runs_to_the_end_on_a_small_cluster(tmp_path: Path, cluster: ModuleType, slots: int,
+                                                                fused: bool, tokens: int) -> None:
     """Each pool keeps its lower bound warm (1 each: as many as the 2 slots, more than 1), pre-warms from the
     step history, migrates (unfused, long enough that two instances are the fastest at cost_weight 1) and dedups
     the prefill; fused, a generation instance streams to a train instance, which waits for its chunks."""
@@ -50,8 +28,8 @@ def test_the_long_tail_flow_runs_to_the_end_on_a_small_cluster(tmp_path: Path, s
                                  run=', prewarm = true, migrate_at = 0.5, dedup_prefill = "auto", '
                                      "prewarm_margin = 0.5, cost_weight = 1.0")
     with cluster.head(slots) as address:
-        done = _run(flow, address, tmp_path / "run", STEPS,
-                    extra=() if fused else ("--no-pass", "fuse-gen-inference"))
+        done = cluster.run_flow(flow, address, tmp_path / "run", steps=STEPS, timeout_s=1200,
+                                extra=() if fused else ("--no-pass", "fuse-gen-inference"))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
@@ -65,10 +43,10 @@ def test_the_long_tail_flow_runs_to_the_end_on_a_small_cluster(tmp_path: Path, s
         assert any(r.get("migrate/rollout/moved", 0.0) > 0 for r in rows)  # tails handed over
 
 
-def test_a_pool_the_cluster_cannot_hold_fails_naming_it(tmp_path: Path) -> None:
+def test_a_pool_the_cluster_cannot_hold_fails_naming_it(tmp_path: Path, cluster: ModuleType) -> None:
     flow = cluster.longtail_flow(tmp_path, "3..3", "1..1", run=", acquire_timeout = 1")
     with cluster.head(2) as address:
-        done = _run(flow, address, tmp_path / "run", 2, timeout_s=600)
+        done = cluster.run_flow(flow, address, tmp_path / "run", steps=2, timeout_s=600)
     assert done.returncode != 0
     line = next(x for x in flow.read_text().splitlines() if "pool rollout" in x)
     col = line.index("pool") + 1

@@ -4,31 +4,13 @@ device slots in use from `ray.available_resources()` over the same run."""
 
 from __future__ import annotations
 
-import importlib.util
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
 
 from flowrl.backends.serverless.held import Attempt, held_by_task, settled
-
-
-def _helper(name: str) -> Any:
-    """A helper module beside this file (tests are not a package: pytest imports them by path)."""
-    spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-cluster = _helper("cluster_head")
-ROOT, head, longtail_flow = cluster.ROOT, cluster.head, cluster.longtail_flow
-SAMPLER = Path(__file__).with_name("slot_sampler.py")
 
 
 def attempt(name: str, worker: str, queued: float, granted: float | None, ended: float | None, shape: str = "serve",
@@ -76,38 +58,12 @@ def test_a_lost_attempt_holds_until_its_retry_asks_and_the_task_sums_its_attempt
     assert held_by_task(got) == pytest.approx({"a": 1.0 + 1.0})
 
 
-def _run_sampled(tmp_path: Path, slots: int, rollout: str, steps: int) -> tuple[dict[str, float], dict[str, float]]:
-    """A serverless run joined to a private head with `slots` device slots, sampled from outside ->
-    (the sampler's figures, the run's cost.json)."""
-    flow = longtail_flow(tmp_path, rollout, run=", prewarm = true")
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
-    with head(slots) as address:
-        ready, counted = tmp_path / "sampling", tmp_path / "sampled.json"
-        sampler = subprocess.Popen([sys.executable, str(SAMPLER), address, str(counted), str(ready)],
-                                   stdin=subprocess.PIPE, env=env, cwd=ROOT)
-        try:
-            while not ready.exists():  # the sampler counts from before the run's first task
-                assert sampler.poll() is None, "the sampler ended before it began counting"
-                try:
-                    sampler.wait(timeout=0.05)
-                except subprocess.TimeoutExpired:
-                    pass
-            run = subprocess.run([sys.executable, "-m", "flowrl", "run", str(flow), "--backend", "serverless",
-                                  "--address", address, "--steps", str(steps), "--out", str(tmp_path / "run")],
-                                 env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
-            assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-        finally:
-            assert sampler.stdin is not None
-            sampler.stdin.close()  # the run's driver has exited: every slot it held is back
-            sampler.wait(timeout=120)
-    return json.loads(counted.read_text()), json.loads((tmp_path / "run" / "cost.json").read_text())
-
-
 @pytest.mark.ray
-def test_the_cost_report_holds_what_the_cluster_counted(tmp_path: Path) -> None:
+def test_the_cost_report_holds_what_the_cluster_counted(tmp_path: Path, cluster: ModuleType) -> None:
     """Two integrals over the same run: the device slots Ray had reserved, sampled every ~10 ms by another
     driver, and the run's `cost/held_s` (start-up, pre-warmed waits, migration and scheduling included)."""
-    sampled, cost = _run_sampled(tmp_path, slots=2, rollout="1..2", steps=6)
+    flow = cluster.longtail_flow(tmp_path, "1..2", run=", prewarm = true")
+    sampled, cost = cluster.sampled_run(flow, tmp_path, "serverless", slots=2, steps=6)
     assert sampled["samples"] > 100 and sampled["most_busy"] >= 1.0  # it saw the run
     assert cost["held_s"] == pytest.approx(sampled["busy_slot_s"], rel=0.05), (cost["held_s"], sampled)
 
