@@ -2,7 +2,8 @@
 
 Sources: `tiny:gpt2` / `tiny:llama` build a randomly initialised HF causal LM from a few keys (no files, for tests
 and CPU runs); `hf:/abs/path` loads a local HF checkpoint (never downloads). Critics and reward models wrap the
-LM's base transformer in `ValueModel` (backbone + scalar head, verl-style). Every model is returned in eval mode:
+LM's base transformer in `ValueModel` (backbone + scalar head, verl-style; from a reward model's checkpoint,
+a one-label `...ForSequenceClassification`, the head is its `score`). Every model is returned in eval mode:
 RLHF trains with dropout off so rollout log-probs and training log-probs come from the same function.
 """
 
@@ -19,7 +20,7 @@ import torch
 from torch import nn
 
 from flowrl.models.attention import install as install_attention
-from flowrl.models.sources import hf_source_problem, tiny_shape_problem, tiny_tokenizer
+from flowrl.models.sources import hf_score_head, hf_source_problem, tiny_shape_problem, tiny_tokenizer
 from flowrl.models.tokenizer import ByteTokenizer, CharTokenizer, HFTokenizer, Tokenizer
 
 __all__ = ["ROLES", "SOURCES", "LoadedModel", "ModelSpec", "ValueModel", "build_model", "cache_kw", "copy_backbone"]
@@ -109,6 +110,8 @@ def build_model(spec: ModelSpec, seed: int) -> LoadedModel:
             # The head is created inside the forked scope too, so its init is also a function of `seed`.
             module = ValueModel(_backbone_of(lm), int(lm.config.hidden_size)).to(dtype)
             kind = "value"
+            if type(lm).__name__.endswith("ForSequenceClassification"):  # a reward model's checkpoint (_build_lm)
+                _take_score_head(module, lm)
     module.eval()
     if spec.role == "reference":
         module.requires_grad_(False)
@@ -169,8 +172,13 @@ def _build_lm(spec: ModelSpec, dtype: torch.dtype) -> tuple[Any, Tokenizer]:
         problem = hf_source_problem(path)
         if problem is not None:  # before transformers, which would take the path for a hub repo id
             raise ValueError(f"cannot load {source}: {problem}")
+        auto: Any = AutoModelForCausalLM
+        if spec.role in _VALUE_ROLES and hf_score_head(path):
+            from transformers import AutoModelForSequenceClassification
+
+            auto = AutoModelForSequenceClassification  # loaded as a causal LM, its `score` head would be dropped
         with quiet_transformers():
-            model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype)
+            model = auto.from_pretrained(path, local_files_only=True, dtype=dtype)
         return model, HFTokenizer(path)
     raise ValueError(f"unknown model source {source!r}; expected one of {', '.join(SOURCES)}")
 
@@ -214,6 +222,16 @@ def _int(config: Mapping[str, object], key: str, default: int | None = None) -> 
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"model config {key!r} must be a positive int, got {value!r}")
     return value
+
+
+def _take_score_head(value: ValueModel, lm: nn.Module) -> None:
+    """`value`'s head from a one-label sequence classifier's `score` (a bias-free (1, H) linear: bias 0)."""
+    score = getattr(lm, "score", None)
+    if not isinstance(score, nn.Linear) or score.weight.shape != value.value_head.weight.shape:
+        raise ValueError(f"cannot find the one-label `score` head of {type(lm).__name__} to score with")
+    with torch.no_grad():
+        value.value_head.weight.copy_(score.weight)
+        value.value_head.bias.copy_(score.bias if score.bias is not None else torch.zeros_like(value.value_head.bias))
 
 
 def _backbone_of(module: nn.Module) -> nn.Module:

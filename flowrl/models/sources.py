@@ -11,7 +11,8 @@ from collections.abc import Mapping
 
 from flowrl.models.tokenizer import ByteTokenizer, CharTokenizer
 
-__all__ = ["device_problem", "hf_positions", "hf_source_problem", "tiny_shape_problem", "tiny_tokenizer"]
+__all__ = ["device_problem", "hf_positions", "hf_score_head", "hf_source_problem", "tiny_shape_problem",
+           "tiny_tokenizer"]
 
 
 def tiny_shape_problem(family: str, config: Mapping[str, object]) -> tuple[str, str] | None:
@@ -35,17 +36,35 @@ def hf_source_problem(path: str) -> str | None:
     return None
 
 
-def hf_positions(path: str) -> int | None:
-    """The positions (context length) a local HF checkpoint's config.json declares, if it says."""
+def _hf_config(path: str) -> dict[str, object]:
+    """A local HF checkpoint's config.json ({} when it cannot be read)."""
     try:
         with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
             cfg = json.load(f)
     except (OSError, ValueError):
-        return None
+        return {}
+    return cfg if isinstance(cfg, dict) else {}
+
+
+def hf_positions(path: str) -> int | None:
+    """The positions (context length) a local HF checkpoint's config.json declares, if it says."""
+    cfg = _hf_config(path)
     for key in ("max_position_embeddings", "n_positions", "n_ctx"):
-        if isinstance(cfg, dict) and isinstance(cfg.get(key), int):
-            return int(cfg[key])
+        value = cfg.get(key)
+        if isinstance(value, int):
+            return value
     return None
+
+
+def hf_score_head(path: str) -> bool:
+    """Whether a local HF checkpoint is a one-label sequence classifier (`...ForSequenceClassification`, one
+    label), as TRL's RewardTrainer trains a reward model: its `score` head gives the reward."""
+    cfg = _hf_config(path)
+    archs = cfg.get("architectures")
+    id2label = cfg.get("id2label")
+    labels = len(id2label) if isinstance(id2label, dict) and id2label else cfg.get("num_labels", 2)
+    return (isinstance(archs, list) and any(str(a).endswith("ForSequenceClassification") for a in archs)
+            and labels == 1)
 
 
 def device_problem(device: str) -> tuple[str, str] | None:

@@ -3,7 +3,8 @@ examples/sums_pipeline.flow (SFT -> reward model -> PPO) with their policy's `so
 2-layer GPT-2 written in tmp_path by `save_pretrained` with a character-level `PreTrainedTokenizerFast` (its own
 EOS and pad ids, or none for pad; no BOS, or one; nothing downloaded). A few steps a stage: every stage runs, its
 metrics are finite, the weights pass from stage to stage, and the reward model built from the causal LM gets a
-value head and reports its held-out accuracy. Data longer than the checkpoint's positions is fitted to them."""
+value head and reports its held-out accuracy. Data longer than the checkpoint's positions is fitted to them;
+a trained reward model's checkpoint scores PPO's rollouts with its own head."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 
+import flowrl
 from flowrl import backends
 from flowrl.compiler import compile_any
 from flowrl.dsl.stages import Pipeline
@@ -180,3 +182,39 @@ def test_prompts_and_pairs_longer_than_the_checkpoints_positions_are_cut_to_them
     assert [r["stage"] for r in result.metrics] == ["sft", "rm", "ppo"]
     assert all(finite(r) for r in result.metrics)
     assert result.metrics[-1]["gen_tokens"] > 0
+
+
+def test_ppo_scores_with_a_reward_model_checkpoints_own_head(tmp_path: Path) -> None:
+    """A reward model's `source` may be a trained reward model's checkpoint (a one-label GPT2ForSequenceClassification,
+    as TRL's RewardTrainer saves one), scoring PPO's rollouts with no training here: its `score` head gives the
+    reward. Built so its reward is 0.5 for any text (final layer norm 0 * x + 1, head 0.5 / 32 per unit), it scores
+    every rollout 0.5; a fresh value head (what flowrl used to give it) scores something else."""
+    from transformers import GPT2Config, GPT2ForSequenceClassification
+
+    hf_checkpoint(tmp_path / "policy", CHARSET)
+    hf_checkpoint(tmp_path / "rm", CHARSET)  # the same tokenizer; the model replaced by a reward model
+    cfg = GPT2Config.from_pretrained(tmp_path / "rm")
+    cfg.num_labels = 1
+    rm = GPT2ForSequenceClassification(cfg)
+    with torch.no_grad():
+        rm.transformer.ln_f.weight.zero_()
+        rm.transformer.ln_f.bias.fill_(1.0)
+        rm.score.weight.fill_(0.5 / cfg.n_embd)
+    rm.save_pretrained(tmp_path / "rm")
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps({"prompt": f"{a}+{a}=", "answer": 2 * a}) + "\n"
+                                                    for a in range(4)), encoding="utf-8")
+    (tmp_path / "ppo.flow").write_text(f"""flow ppo_hf_rm
+model actor  : policy       {{ source = "hf:{tmp_path / 'policy'}", lr = 1e-3 }}
+model ref    : reference    {{ source = actor }}
+model critic : critic       {{ source = actor, lr = 1e-3 }}
+model rm     : reward_model {{ source = "hf:{tmp_path / 'rm'}" }}
+data prompts = jsonl("prompts.jsonl") {{ batch = 4 }}
+run {{ seed = 0, steps = 2 }}
+use ppo(reward = rm, group = 2, max_tokens = 3)
+""", encoding="utf-8")
+    graph = flowrl.load(str(tmp_path / "ppo.flow"))
+    assert graph.model("rm").trainable is False  # scores only: flowrl check lets an hf: reward model score at once
+    rows = flowrl.run(graph, out_dir=tmp_path / "out").metrics
+    assert [r["reward_mean"] for r in rows] == pytest.approx([0.5, 0.5], abs=1e-6)
+    assert [r["reward_std"] for r in rows] == pytest.approx([0.0, 0.0], abs=1e-6)
+    assert all(finite(r) and r["gen_tokens"] > 0 for r in rows)
