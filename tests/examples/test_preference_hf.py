@@ -1,10 +1,10 @@
 """The preference pipelines on a real Hugging Face checkpoint: examples/sums_dpo.flow (SFT -> DPO) and
 examples/sums_pipeline.flow (SFT -> reward model -> PPO) with their policy's `source` replaced by `hf:DIR`, a
-2-layer GPT-2 written in tmp_path by `save_pretrained` with a character-level `PreTrainedTokenizerFast` (its own
-EOS and pad ids, or none for pad; no BOS, or one; nothing downloaded). A few steps a stage: every stage runs, its
-metrics are finite, the weights pass from stage to stage, and the reward model built from the causal LM gets a
-value head and reports its held-out accuracy. Data longer than the checkpoint's positions is fitted to them;
-a trained reward model's checkpoint scores PPO's rollouts with its own head."""
+2-layer GPT-2 (and a Llama, for the pipeline) written in tmp_path by `save_pretrained` with a character-level
+`PreTrainedTokenizerFast` (its own EOS and pad ids, or none for pad; no BOS, or one; nothing downloaded). A few
+steps a stage: every stage runs, its metrics are finite, the weights pass from stage to stage, and the reward model
+built from the causal LM gets a value head and reports its held-out accuracy. Data longer than the checkpoint's
+positions is fitted to them; a trained reward model's checkpoint scores PPO's rollouts with its own head."""
 
 from __future__ import annotations
 
@@ -29,12 +29,18 @@ POSITIONS = 64
 UNK = len(CHARSET) + 1  # the id of <unk> in hf_checkpoint's vocabulary
 
 
-def hf_checkpoint(path: Path, charset: str, *, bos: bool = False, pad: bool = True) -> None:
-    """A 2-layer GPT-2 (64 positions) and a character-level tokenizer over `charset`, saved as a Hugging Face
-    directory: specials after the characters; with `bos` a BOS token (Llama's tokenizers have one), without `pad`
-    no pad token (GPT-2's and Llama's ship without one)."""
+def hf_checkpoint(path: Path, charset: str, *, bos: bool = False, pad: bool = True, family: str = "gpt2") -> None:
+    """A 2-layer GPT-2 (or Llama, tied embeddings) with 64 positions and a character-level tokenizer over `charset`,
+    saved as a Hugging Face directory: specials after the characters; with `bos` a BOS token (Llama's tokenizers
+    have one), without `pad` no pad token (GPT-2's and Llama's ship without one)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
+    from transformers import (
+        GPT2Config,
+        GPT2LMHeadModel,
+        LlamaConfig,
+        LlamaForCausalLM,
+        PreTrainedTokenizerFast,
+    )
 
     n = len(charset)
     specials = ["<eos>", "<unk>", *(["<pad>"] if pad else []), *(["<bos>"] if bos else [])]
@@ -44,17 +50,23 @@ def hf_checkpoint(path: Path, charset: str, *, bos: bool = False, pad: bool = Tr
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", unk_token="<unk>",
                                    **({"pad_token": "<pad>"} if pad else {}), **({"bos_token": "<bos>"} if bos else {}))
     fast.save_pretrained(path)
+    ids: dict[str, Any] = {"bos_token_id": vocab.get("<bos>"), "eos_token_id": vocab["<eos>"],
+                           "pad_token_id": vocab.get("<pad>")}
     torch.manual_seed(0)
-    GPT2LMHeadModel(GPT2Config(vocab_size=len(vocab), n_embd=32, n_layer=2, n_head=2, n_positions=POSITIONS,
-                               bos_token_id=vocab.get("<bos>"), eos_token_id=vocab["<eos>"],
-                               pad_token_id=vocab.get("<pad>"))).save_pretrained(path)
+    if family == "llama":
+        LlamaForCausalLM(LlamaConfig(vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=POSITIONS,
+                                     tie_word_embeddings=True, **ids)).save_pretrained(path)
+    else:
+        GPT2LMHeadModel(GPT2Config(vocab_size=len(vocab), n_embd=32, n_layer=2, n_head=2, n_positions=POSITIONS,
+                                   **ids)).save_pretrained(path)
 
 
-def hf_flow(name: str, tmp_path: Path, **tokenizer: bool) -> tuple[Path, Path]:
+def hf_flow(name: str, tmp_path: Path, **checkpoint: Any) -> tuple[Path, Path]:
     """examples/NAME.flow in tmp_path with the actor's block replaced by one on an `hf:` checkpoint (the shape keys
     belong to tiny sources) and its data read from examples/data by absolute path; (flow, checkpoint)."""
     ckpt = tmp_path / "ckpt"
-    hf_checkpoint(ckpt, CHARSET, **tokenizer)
+    hf_checkpoint(ckpt, CHARSET, **checkpoint)
     text = (EXAMPLES / f"{name}.flow").read_text(encoding="utf-8")
     actor = re.search(r"^model actor : policy \{.*?^\}", text, re.M | re.S)
     assert actor and 'source  = "tiny:gpt2"' in actor[0]
@@ -69,6 +81,12 @@ def run_staged(flow: Path, out: Path, overrides: dict[str, str]) -> tuple[Pipeli
     pipe = compile_any(str(flow), overrides)
     assert isinstance(pipe, Pipeline)
     return pipe, run_pipeline(pipe, out_dir=out, backend=lambda stage: backends.make("local"))
+
+
+def initial_weights(ckpt: Path) -> dict[str, torch.Tensor]:
+    from transformers import AutoModelForCausalLM
+
+    return dict(AutoModelForCausalLM.from_pretrained(ckpt).state_dict())
 
 
 def finite(row: dict[str, Any]) -> bool:
@@ -97,16 +115,21 @@ def test_sft_then_dpo_on_a_hf_checkpoint(tmp_path: Path, tokenizer: dict[str, bo
     # the reference is first used by DPO with source = actor: SFT's actor, never trained
     assert all(torch.equal(dpo["ref"][k], sft[k]) for k in sft)
     assert not all(torch.equal(dpo["actor"][k], sft[k]) for k in sft)
-    from transformers import GPT2LMHeadModel
-    initial = GPT2LMHeadModel.from_pretrained(ckpt).state_dict()
+    initial = initial_weights(ckpt)
     assert not all(torch.equal(sft[k], initial[k]) for k in sft)  # SFT trained the checkpoint's weights on
     # DPO's first step: the policy is the reference, so its implicit rewards are 0 and its loss log 2
     assert rows[3]["actor/rewards/margins"] == 0.0
     assert abs(rows[3]["actor/dpo_loss"] - math.log(2)) < 1e-6
 
 
-def test_sft_then_reward_model_then_ppo_on_a_hf_checkpoint(tmp_path: Path) -> None:
-    flow, ckpt = hf_flow("sums_pipeline", tmp_path)
+# a causal LM's base transformer and its token embeddings, by family (a value model holds the base as `backbone.`)
+FAMILIES = {"gpt2": ("transformer.", "wte.weight"), "llama": ("model.", "embed_tokens.weight")}
+
+
+@pytest.mark.parametrize(("family", "bos"), [("gpt2", False), ("llama", True)])
+def test_sft_then_reward_model_then_ppo_on_a_hf_checkpoint(tmp_path: Path, family: str, bos: bool) -> None:
+    flow, ckpt = hf_flow("sums_pipeline", tmp_path, family=family, bos=bos)
+    base, embed = FAMILIES[family]
     pipe, result = run_staged(flow, tmp_path / "out", {
         "run.steps": "3", "run.checkpoint_every": "100", "pairs.batch": "16", "prompts.batch": "4",
         "stage.rm.use.eval_every": "3", "stage.rm_anneal.use.eval_every": "3"})
@@ -125,21 +148,20 @@ def test_sft_then_reward_model_then_ppo_on_a_hf_checkpoint(tmp_path: Path) -> No
     sft = torch.load(out / "stages/sft/models.pt")["actor"]
     rm = torch.load(out / "stages/rm/models.pt")["rm"]
     final = torch.load(out / "stages/ppo/models.pt")
-    from transformers import GPT2LMHeadModel
-    initial = GPT2LMHeadModel.from_pretrained(ckpt).state_dict()
+    initial = initial_weights(ckpt)
     # the reward model is the causal LM's base transformer and a value head, its LM head dropped
     assert {k for k in rm if not k.startswith("backbone.")} == {"value_head.weight", "value_head.bias"}
     assert {k.removeprefix("backbone.") for k in rm if k.startswith("backbone.")} == {
-        k.removeprefix("transformer.") for k in sft if k.startswith("transformer.")}
+        k.removeprefix(base) for k in sft if k.startswith(base)}
     assert sorted(final) == ["actor", "critic", "ref", "rm"]
     # ref is first used by PPO (source = actor): SFT's actor, never trained
     assert all(torch.equal(final["ref"][k], sft[k]) for k in sft)
     # The reward model starts the rm stage from SFT's backbone: the embedding row of <unk>, in no pair, gets no
     # gradient in a value model (no LM head), so it stays what SFT made it through the LM head (tied to the
     # embeddings), which is not the checkpoint's.
-    wte = "transformer.wte.weight"
+    wte = base + embed
     assert not torch.equal(sft[wte][UNK], initial[wte][UNK])
-    assert torch.equal(rm["backbone.wte.weight"][UNK], sft[wte][UNK])
+    assert torch.equal(rm["backbone." + embed][UNK], sft[wte][UNK])
     # PPO scores with the annealed reward model and never trains it
     annealed = torch.load(out / "stages/rm_anneal/models.pt")["rm"]
     assert all(torch.equal(final["rm"][k], annealed[k]) for k in annealed)
