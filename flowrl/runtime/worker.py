@@ -1,33 +1,31 @@
 """`ModelWorker`: the models of one worker group and their methods (generate, logprobs, values, score,
 update). One instance lives in each rank's process — in-process for the local backend, inside a Ray actor
-for the Ray backend — so both backends run the same model code.
+for the Ray backend — so both backends run the same model code. It builds its models with
+flowrl.runtime.model_init, reads prompts through flowrl.runtime.prompts and trains on rollouts with the
+micro-batch losses of flowrl.runtime.rollout_loss.
 """
 
 from __future__ import annotations
 
 import weakref
-import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
 import torch
 
-from flowrl.algos import denominators, policy_loss, value_loss
-from flowrl.data.chat import render_chat
+from flowrl.algos import denominators
 from flowrl.engines.chunked_generation import StreamControl, Tail, generate_stream, resume_stream
-from flowrl.engines.generation import forward_logprobs, forward_logprobs_entropy, forward_values, generate
+from flowrl.engines.generation import forward_logprobs, forward_values, generate
 from flowrl.engines.incremental import IncrementalScorer
 from flowrl.engines.prefill import Prefixes, compute_prefixes
-from flowrl.engines.prefix import packed_logprobs_entropy, packed_values, shared_logprobs, shared_values
+from flowrl.engines.prefix import shared_logprobs, shared_values
 from flowrl.engines.prompt_cache import weights_changed
 from flowrl.engines.select import Trainer, check_engine, forward_module, make_trainer
 from flowrl.engines.training import all_reduce_sum, data_parallel_world
 from flowrl.ir.attrs import ForwardAttrs, GenerateAttrs, UpdateAttrs
 from flowrl.ir.graph import ModelDecl
-from flowrl.models.build import LoadedModel, ModelSpec, build_model, copy_backbone
-from flowrl.models.tokenizer import Tokenizer
+from flowrl.models.build import LoadedModel
 from flowrl.runtime.batch import Batch
 from flowrl.runtime.chunks import (
     ChunkForward,
@@ -39,80 +37,22 @@ from flowrl.runtime.chunks import (
     score_chunks,
 )
 from flowrl.runtime.env_rollout import EnvPools, env_generate, env_spec_of, env_stream
+from flowrl.runtime.model_init import init_model, model_seed, resolve_device
 from flowrl.runtime.preference import with_last_slot
 from flowrl.runtime.preference_update import PairUpdate, evaluate, is_data_batch, token_rows, update_on_rows
+from flowrl.runtime.prompts import PromptEncoder, prompt_slots, prompt_texts
+from flowrl.runtime.rollout_loss import critic_micro_loss, policy_micro_loss, rollout_inputs, safe_temp
 from flowrl.runtime.schedule import Turn, interleave, mean_step_metrics
 from flowrl.runtime.transport import pack, unpack
 
+# PromptEncoder, prompt_texts, prompt_slots (flowrl.runtime.prompts) and model_seed, resolve_device, init_model
+# (flowrl.runtime.model_init) are re-exported: backends and tests import them from here.
+__all__ = [
+    "ROLLOUT_KEYS", "ModelWorker", "PromptEncoder", "ended_with", "group_state", "init_model", "load_group_state",
+    "model_seed", "prompt_slots", "prompt_texts", "resolve_device",
+]
+
 ROLLOUT_KEYS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "temperature")
-
-
-@dataclass(frozen=True)
-class PromptEncoder:
-    """A model's prompt texts -> token ids: BOS first where the tokenizer has one, the prompt's end kept when
-    it leaves fewer than `max_tokens` of the model's `context` for the response."""
-
-    tokenizer: Tokenizer
-    context: int
-
-    def ids(self, texts: Sequence[str], max_tokens: int) -> list[list[int]]:
-        tok, out = self.tokenizer, []
-        for text in texts:
-            row = tok.encode(text)
-            if tok.bos_id is not None:
-                row = [tok.bos_id, *row]
-            out.append(row[-max(1, self.context - max_tokens):])
-        return out
-
-
-def prompt_texts(prompts: Batch, tokenizer: Tokenizer) -> list[str]:
-    """A prompt batch's texts for a model: chat-message prompts ("messages", from the data) rendered with the
-    model's chat template (`render_chat`: the plain template for tiny models), text prompts as they are."""
-    messages = prompts.meta.get("messages") or [None] * prompts.size
-    return [str(p) if m is None else render_chat(m, tokenizer)
-            for p, m in zip(prompts.meta["prompt"], messages, strict=True)]
-
-
-def model_seed(seed: int, name: str) -> int:
-    """Init seed of a model: stable across processes, so any rank can rebuild the same initial weights."""
-    return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**31)
-
-
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
-
-
-def _spec(decl: ModelDecl, role: str | None = None) -> ModelSpec:
-    return ModelSpec(source=decl.source, config=dict(decl.config), role=role or decl.role,
-                     dtype=str(decl.options.get("dtype", "float32")))
-
-
-def init_model(decl: ModelDecl, decls: Mapping[str, ModelDecl], seed: int) -> LoadedModel:
-    """Build `decl`; a model with `source = other` starts from `other`'s step-0 weights (rebuilt from the
-    same seed, so this works in any process without shipping weights)."""
-    if decl.source_model is None:
-        return build_model(_spec(decl), model_seed(seed, decl.name))
-    src = decls[decl.source_model]
-    while src.source_model is not None:
-        src = decls[src.source_model]
-    origin = build_model(_spec(src), model_seed(seed, src.name))
-    if decl.role in ("critic", "reward_model"):
-        loaded = build_model(_spec(decl), model_seed(seed, decl.name))
-        copy_backbone(loaded.module, origin.module)
-        return loaded
-    if decl.role == "reference":
-        origin.module.requires_grad_(False)
-        origin.module.eval()
-    return origin
-
-
-def prompt_slots(prompts: Batch, first: int = 0) -> list[int]:
-    """Each prompt's slot in its step's whole batch, which its samples' random streams are keyed by (so a split
-    or reordered batch samples alike): the prompts' "prompt_slot" (the controller numbers a step's prompts), else
-    their places here counted from `first`."""
-    return [int(s) for s in prompts.meta.get("prompt_slot", range(first, first + prompts.size))]
 
 
 class ModelWorker:
@@ -239,8 +179,7 @@ class ModelWorker:
         return chunk_batches(stream, loaded.tokenizer, a)
 
     def _inputs(self, rollout: Batch) -> tuple[torch.Tensor, ...]:
-        d = self.device
-        return tuple(rollout[k].to(d) for k in ("prompt_ids", "prompt_mask", "response_ids", "response_mask"))
+        return rollout_inputs(rollout, self.device)
 
     def token_rows(self, model: str, batch: Batch) -> Batch:
         """A data node's rows tokenised as `model`'s update on them does (flowrl.runtime.preference_update): a
@@ -257,10 +196,10 @@ class ModelWorker:
         micro = a.micro_batch
         logp = None
         if a.share_prefix:  # the share-prefix pass: each prompt prefix runs once (engines/prefix.py)
-            logp = shared_logprobs(module, *self._inputs(rollout), temperature=_safe_temp(temp), micro_batch=micro,
+            logp = shared_logprobs(module, *self._inputs(rollout), temperature=safe_temp(temp), micro_batch=micro,
                                    min_len=a.prefix_min_len, pad=self.pad_id(model))
         if logp is None:
-            logp = forward_logprobs(module, *self._inputs(rollout), temperature=_safe_temp(temp), micro_batch=micro)
+            logp = forward_logprobs(module, *self._inputs(rollout), temperature=safe_temp(temp), micro_batch=micro)
         return rollout.derive("logp", logp=logp.cpu())
 
     def values(self, model: str, rollout: Batch, attrs: Mapping[str, Any]) -> Batch:
@@ -312,7 +251,7 @@ class ModelWorker:
         if held is None or held[0] != stage:
             temp = float(rows["temperature"][0]) if "temperature" in rows.tensors else 1.0
             kind = "logprobs" if op == "logprobs" else "values"
-            held = (stage, IncrementalScorer(self.models[model].module, kind, temperature=_safe_temp(temp),
+            held = (stage, IncrementalScorer(self.models[model].module, kind, temperature=safe_temp(temp),
                                              pad=self.pad_id(model)))
             self.growing[node] = held
         final = rows["final"].bool()
@@ -348,7 +287,7 @@ class ModelWorker:
             return out
         epochs, parts, micro = a.epochs, max(1, a.mini_batches), a.micro_batch
         gen = torch.Generator().manual_seed(step_seed)
-        loss = self._critic_loss if role == "critic" else self._policy_loss
+        loss = critic_micro_loss if role == "critic" else policy_micro_loss
 
         def steps() -> Iterator[tuple[list[Batch], Callable[[Batch], Any]]]:
             for _ in range(epochs):
@@ -360,7 +299,7 @@ class ModelWorker:
                     if data_parallel_world() > 1:  # ray backend, data parallel: the global mini-batch's denominators
                         tokens, seqs = all_reduce_sum([denoms["num_tokens"], denoms["num_seqs"]], self.device)
                         denoms.update(num_tokens=tokens, num_seqs=int(seqs))
-                    yield mini.chunks(micro), partial(loss, module, a=a, denoms=denoms)
+                    yield mini.chunks(micro), partial(loss, module, device=self.device, a=a, denoms=denoms)
 
         metrics = mean_step_metrics(engine, steps(), turn, model)
         self._updated(model)
@@ -401,44 +340,6 @@ class ModelWorker:
             engine = self.trainers[model]
             engine.set_lr(base * (min(1.0, (engine.steps + 1) / warmup) if warmup > 0 else 1.0))
 
-    def _policy_loss(self, module: torch.nn.Module, mb: Batch, *, a: UpdateAttrs,
-                     denoms: Mapping[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
-        inputs = self._inputs(mb)
-        mask = self._loss_mask(mb, inputs[3])
-        temp = float(mb["temperature"][0]) if "temperature" in mb.tensors else 1.0
-        packed = None
-        if a.share_prefix:  # the share-prefix pass: each prompt once, gradients summed over samples
-            packed = packed_logprobs_entropy(module, *inputs, temperature=_safe_temp(temp), min_len=a.prefix_min_len)
-        logp, entropy = packed or forward_logprobs_entropy(module, *inputs, temperature=_safe_temp(temp),
-                                                           with_grad=True)  # (B, T) each
-        dev = self.device
-        return policy_loss(
-            logp, mb["old_logp"].to(dev) if "old_logp" in mb.tensors else None, mb["advantages"].to(dev), mask,
-            ref_logp=mb["ref_logp"].to(dev) if "ref_logp" in mb.tensors else None,
-            behav_logp=mb["gen_logp"].to(dev) if "gen_logp" in mb.tensors else None,
-            is_correction=a.correction, is_cap=a.is_cap, entropy=entropy, clip=a.clip,
-            clip_high=a.clip_high, dual_clip=a.dual_clip, kl_coef=a.kl_coef, kl_kind=a.kl,
-            entropy_coef=a.entropy_coef, agg=a.agg, **denoms)
-
-    def _loss_mask(self, mb: Batch, response_mask: torch.Tensor) -> torch.Tensor:
-        """(B, T) the tokens the loss trains on: a multi-turn rollout's loss_mask (0 on observation tokens, which
-        the forwards still attend to through response_mask), else the response mask."""
-        return mb["loss_mask"].to(self.device).float() if "loss_mask" in mb.tensors else response_mask.float()
-
-    def _critic_loss(self, module: torch.nn.Module, mb: Batch, *, a: UpdateAttrs,
-                     denoms: Mapping[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
-        inputs = self._inputs(mb)
-        values = None
-        if a.share_prefix:  # the share-prefix pass (engines/prefix.py)
-            values = packed_values(module, *inputs, min_len=a.prefix_min_len)
-        if values is None:
-            values = forward_values(module, *inputs, with_grad=True)  # (B, T)
-        old = mb["values"].to(self.device) if "values" in mb.tensors else values.detach()
-        loss, metrics = value_loss(values, old, mb["returns"].to(self.device), self._loss_mask(mb, inputs[3]), clip=a.clip,
-                                   agg=a.agg, **denoms)
-        metrics["vf_loss"] = float(loss.detach())
-        return loss, metrics
-
     # ---- state -------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -475,11 +376,6 @@ class ModelWorker:
     def pad_id(self, model: str) -> int:
         """The token id that pads `model`'s rollouts (what a group merging its ranks' rollouts fills with)."""
         return int(self.models[model].tokenizer.pad_id)
-
-
-def _safe_temp(t: float) -> float:
-    # Greedy generation (temperature 0) scores tokens at temperature 1.
-    return t if t > 0 else 1.0
 
 
 def group_state(workers: Mapping[str, ModelWorker]) -> dict[str, Any]:
