@@ -179,7 +179,9 @@ def _build_lm(spec: ModelSpec, dtype: torch.dtype) -> tuple[Any, Tokenizer]:
             auto = AutoModelForSequenceClassification  # loaded as a causal LM, its `score` head would be dropped
         with quiet_transformers():
             model = auto.from_pretrained(path, local_files_only=True, dtype=dtype)
-        return model, HFTokenizer(path)
+        hf_tokenizer = HFTokenizer(path)
+        _check_special_ids(source, hf_tokenizer, int(model.get_input_embeddings().num_embeddings))
+        return model, hf_tokenizer
     raise ValueError(f"unknown model source {source!r}; expected one of {', '.join(SOURCES)}")
 
 
@@ -222,6 +224,19 @@ def _int(config: Mapping[str, object], key: str, default: int | None = None) -> 
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"model config {key!r} must be a positive int, got {value!r}")
     return value
+
+
+def _check_special_ids(source: str, tokenizer: HFTokenizer, rows: int) -> None:
+    """flowrl writes the pad, BOS and EOS ids into every batch itself: one past the model's embeddings (a token added
+    to the tokenizer without resizing the model) would fail deep in a forward as an IndexError."""
+    specials = {"pad": tokenizer.pad_id, "bos": tokenizer.bos_id, "eos": tokenizer.eos_id}
+    for name, i in specials.items():
+        if i is not None and i >= rows:
+            token = tokenizer.hf.convert_ids_to_tokens(i)
+            raise ValueError(f"cannot load {source}: its tokenizer's {name} token {token!r} has id {i}, and the model "
+                             f"has {rows} token embeddings (ids 0..{rows - 1}); resize the model's embeddings to the "
+                             "tokenizer (`model.resize_token_embeddings(len(tokenizer))`) and save it again, or give "
+                             f"the tokenizer a {name} token the model has")
 
 
 def _take_score_head(value: ValueModel, lm: nn.Module) -> None:

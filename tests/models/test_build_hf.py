@@ -1,7 +1,10 @@
-"""A reward model (or critic) whose `hf:` source is a trained reward model's checkpoint, a one-label
-`...ForSequenceClassification` as TRL's RewardTrainer saves it: flowrl's value model scores with the checkpoint's
-`score` head, giving the checkpoint's own reward (loaded as a causal LM, the head was dropped and a random one
-scored). A causal LM's checkpoint still gets a fresh value head."""
+"""Models built from local Hugging Face checkpoints (flowrl.models.build) beyond a plain causal LM.
+
+A reward model (or critic) whose `hf:` source is a trained reward model's checkpoint, a one-label
+`...ForSequenceClassification` as TRL's RewardTrainer saves it, scores with the checkpoint's `score` head, giving
+the checkpoint's own reward (loaded as a causal LM, the head was dropped and a random one scored); a causal LM's
+checkpoint still gets a fresh value head. A tokenizer whose pad, BOS or EOS id is past the model's embeddings is
+named when the model is built (it was an IndexError inside a forward)."""
 
 from __future__ import annotations
 
@@ -75,3 +78,18 @@ def test_a_two_label_classifier_or_a_causal_lm_gets_a_fresh_head(tmp_path: Path)
     assert not torch.equal(built.module.value_head.weight, hf.score.weight[:1])
     policy = build_model(ModelSpec(f"hf:{tmp_path / 'two'}"), seed=0)  # a policy loads the causal LM as ever
     assert policy.kind == "causal_lm"
+
+
+def test_a_special_token_past_the_models_embeddings_is_named(tmp_path: Path) -> None:
+    """A pad token added to the tokenizer and not to the model (`<pad>` is id 14 of a 14-row embedding)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    reward_checkpoint(tmp_path)
+    GPT2LMHeadModel(GPT2Config(vocab_size=len(CHARSET) + 2, n_embd=32, n_layer=1, n_head=2)).save_pretrained(tmp_path)
+    with pytest.raises(ValueError) as e:
+        build_model(ModelSpec(f"hf:{tmp_path}"), seed=0)
+    assert str(e.value) == (
+        f"cannot load hf:{tmp_path}: its tokenizer's pad token '<pad>' has id 14, and the model has 14 token "
+        "embeddings (ids 0..13); resize the model's embeddings to the tokenizer "
+        "(`model.resize_token_embeddings(len(tokenizer))`) and save it again, or give the tokenizer a pad token the "
+        "model has")
