@@ -12,7 +12,7 @@ import json
 import math
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -21,35 +21,38 @@ import flowrl
 from flowrl import backends
 from flowrl.compiler import compile_any
 from flowrl.dsl.stages import Pipeline
+from flowrl.models.tokenizer import CharTokenizer
+from flowrl.runtime.model_init import init_model
 from flowrl.runtime.pipeline import PipelineResult, run_pipeline
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 CHARSET = "0123456789+="
 POSITIONS = 64
 UNK = len(CHARSET) + 1  # the id of <unk> in hf_checkpoint's vocabulary
+TIMES = ("step_time_s", "tokens_per_s")
+
+
+def save_tokenizer(path: Path, charset: str, specials: list[str]) -> dict[str, int]:
+    """A character-level `PreTrainedTokenizerFast` saved to `path`: the characters, then `specials` (of `<eos>`,
+    `<unk>`, `<pad>`, `<bos>`) in that order; its vocabulary."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {c: i for i, c in enumerate(charset)} | {s: len(charset) + i for i, s in enumerate(specials)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    named = {f"{s[1:-1]}_token": s for s in specials}
+    PreTrainedTokenizerFast(tokenizer_object=tok, **named).save_pretrained(path)
+    return vocab
 
 
 def hf_checkpoint(path: Path, charset: str, *, bos: bool = False, pad: bool = True, family: str = "gpt2") -> None:
     """A 2-layer GPT-2 (or Llama, tied embeddings) with 64 positions and a character-level tokenizer over `charset`,
     saved as a Hugging Face directory: specials after the characters; with `bos` a BOS token (Llama's tokenizers
     have one), without `pad` no pad token (GPT-2's and Llama's ship without one)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import (
-        GPT2Config,
-        GPT2LMHeadModel,
-        LlamaConfig,
-        LlamaForCausalLM,
-        PreTrainedTokenizerFast,
-    )
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-    n = len(charset)
-    specials = ["<eos>", "<unk>", *(["<pad>"] if pad else []), *(["<bos>"] if bos else [])]
-    vocab = {c: i for i, c in enumerate(charset)} | {s: n + i for i, s in enumerate(specials)}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", unk_token="<unk>",
-                                   **({"pad_token": "<pad>"} if pad else {}), **({"bos_token": "<bos>"} if bos else {}))
-    fast.save_pretrained(path)
+    vocab = save_tokenizer(path, charset, ["<eos>", "<unk>", *(["<pad>"] if pad else []), *(["<bos>"] if bos else [])])
     ids: dict[str, Any] = {"bos_token_id": vocab.get("<bos>"), "eos_token_id": vocab["<eos>"],
                            "pad_token_id": vocab.get("<pad>")}
     torch.manual_seed(0)
@@ -62,18 +65,27 @@ def hf_checkpoint(path: Path, charset: str, *, bos: bool = False, pad: bool = Tr
                                    **ids)).save_pretrained(path)
 
 
-def hf_flow(name: str, tmp_path: Path, **checkpoint: Any) -> tuple[Path, Path]:
-    """examples/NAME.flow in tmp_path with the actor's block replaced by one on an `hf:` checkpoint (the shape keys
-    belong to tiny sources) and its data read from examples/data by absolute path; (flow, checkpoint)."""
-    ckpt = tmp_path / "ckpt"
-    hf_checkpoint(ckpt, CHARSET, **checkpoint)
+def example(name: str, folder: Path) -> Path:
+    """examples/NAME.flow written to `folder`, its data read from examples/data by absolute path."""
     text = (EXAMPLES / f"{name}.flow").read_text(encoding="utf-8")
+    flow = folder / f"{name}.flow"
+    flow.parent.mkdir(parents=True, exist_ok=True)
+    flow.write_text(text.replace('jsonl("data/', f'jsonl("{EXAMPLES}/data/'), encoding="utf-8")
+    return flow
+
+
+def hf_flow(name: str, tmp_path: Path, *, ckpt: Path | None = None, **checkpoint: Any) -> tuple[Path, Path]:
+    """examples/NAME.flow in tmp_path with the actor's block replaced by one on an `hf:` checkpoint (`ckpt`, else
+    one `hf_checkpoint` makes; the shape keys belong to tiny sources); (flow, checkpoint)."""
+    if ckpt is None:
+        ckpt = tmp_path / "ckpt"
+        hf_checkpoint(ckpt, CHARSET, **checkpoint)
+    flow = example(name, tmp_path)
+    text = flow.read_text(encoding="utf-8")
     actor = re.search(r"^model actor : policy \{.*?^\}", text, re.M | re.S)
     assert actor and 'source  = "tiny:gpt2"' in actor[0]
-    text = text.replace(actor[0], f'model actor : policy {{ source = "hf:{ckpt}", lr = 1e-3 }}')
-    text = text.replace('jsonl("data/', f'jsonl("{EXAMPLES}/data/')
-    flow = tmp_path / f"{name}.flow"
-    flow.write_text(text, encoding="utf-8")
+    flow.write_text(text.replace(actor[0], f'model actor : policy {{ source = "hf:{ckpt}", lr = 1e-3 }}'),
+                    encoding="utf-8")
     return flow, ckpt
 
 
@@ -89,17 +101,24 @@ def initial_weights(ckpt: Path) -> dict[str, torch.Tensor]:
     return dict(AutoModelForCausalLM.from_pretrained(ckpt).state_dict())
 
 
+def without_times(row: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in row.items() if not k.startswith(("time/", "cost/")) and k not in TIMES}
+
+
 def finite(row: dict[str, Any]) -> bool:
     return all(math.isfinite(v) for v in row.values() if isinstance(v, float))
 
 
+# three steps a stage, DPO's held-out pairs scored at the third
+DPO_STEPS = {"stage.sft.steps": "3", "stage.dpo.steps": "3", "stage.dpo.use.eval_every": "3",
+             "run.checkpoint_every": "100", "pairs.batch": "16"}
+
+
 @pytest.mark.parametrize("tokenizer", [{"bos": False, "pad": True}, {"bos": True, "pad": False}],
                          ids=["pad-no-bos", "bos-no-pad"])
-def test_sft_then_dpo_on_a_hf_checkpoint(tmp_path: Path, tokenizer: dict[str, bool]) -> None:
+def test_sft_then_dpo_on_a_hf_checkpoint(tmp_path: Path, tokenizer: dict[str, Any]) -> None:
     flow, ckpt = hf_flow("sums_dpo", tmp_path, **tokenizer)
-    pipe, result = run_staged(flow, tmp_path / "out", {
-        "stage.sft.steps": "3", "stage.dpo.steps": "3", "stage.dpo.use.eval_every": "3",
-        "run.checkpoint_every": "100", "pairs.batch": "16"})
+    pipe, result = run_staged(flow, tmp_path / "out", DPO_STEPS)
     assert pipe.names == ("sft", "dpo")
     for stage in pipe.stages:
         assert stage.graph.model("actor").source == f"hf:{ckpt}"
@@ -120,6 +139,28 @@ def test_sft_then_dpo_on_a_hf_checkpoint(tmp_path: Path, tokenizer: dict[str, bo
     # DPO's first step: the policy is the reference, so its implicit rewards are 0 and its loss log 2
     assert rows[3]["actor/rewards/margins"] == 0.0
     assert abs(rows[3]["actor/dpo_loss"] - math.log(2)) < 1e-6
+
+
+def test_the_tiny_actor_saved_as_a_checkpoint_trains_exactly_as_the_tiny_actor(tmp_path: Path) -> None:
+    """The hf: path computes what the tiny path does: examples/sums_dpo.flow as it is, and the same flow on a
+    checkpoint of its tiny actor's step-0 weights (as the workers build them) with a tokenizer of the same ids
+    (CharTokenizer's: <pad>, <bos>, <eos>, <unk> after the characters) give the same metrics, bit for bit, at every
+    step of SFT and DPO."""
+    pipe = compile_any(str(example("sums_dpo", tmp_path / "tiny")), DPO_STEPS)
+    assert isinstance(pipe, Pipeline)
+    decls = {m.name: m for m in pipe.stage("sft").graph.models}
+    actor = init_model(decls["actor"], decls, seed=0)  # the run's seed
+    tok = actor.tokenizer
+    assert isinstance(tok, CharTokenizer)
+    ckpt = tmp_path / "ckpt"
+    vocab = save_tokenizer(ckpt, tok.chars, ["<pad>", "<bos>", "<eos>", "<unk>"])
+    assert (vocab["<pad>"], vocab["<bos>"], vocab["<eos>"], vocab["<unk>"]) == (tok.PAD, tok.BOS, tok.EOS, tok.UNK)
+    cast(Any, actor.module).save_pretrained(ckpt)  # a GPT2LMHeadModel
+    tiny = run_pipeline(pipe, out_dir=tmp_path / "tiny" / "out", backend=lambda stage: backends.make("local"))
+    flow, _ = hf_flow("sums_dpo", tmp_path / "hf", ckpt=ckpt)
+    _, hf = run_staged(flow, tmp_path / "hf" / "out", DPO_STEPS)
+    assert len(hf.metrics) == 6
+    assert [without_times(r) for r in hf.metrics] == [without_times(r) for r in tiny.metrics]
 
 
 # a causal LM's base transformer and its token embeddings, by family (a value model holds the base as `backbone.`)
