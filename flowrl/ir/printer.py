@@ -71,7 +71,8 @@ def to_text(g: Graph) -> str:
     for d in g.data:
         lines.append(f"data {d.name} = {d.kind}({d.path.rsplit('/', 1)[-1]}) {{{_kv(d.options)}}}")
     for p in g.pools:
-        lines.append(f"pool {p.name} {{gpus={p.gpus}, elastic={format_value(p.elastic)}}}")
+        extra = f", {_kv(p.options)}" if p.options else ""  # the serverless keys: gpu_fraction, keep_warm
+        lines.append(f"pool {p.name} {{gpus={p.gpus}, elastic={format_value(p.elastic)}{extra}}}")
     for w in g.worker_groups:
         pool = f" on {w.pool}" if w.pool else ""
         lines.append(f"group {w.name}{pool}: {', '.join(w.models)} x{w.replicas}")
@@ -124,7 +125,8 @@ def to_json(g: Graph) -> dict[str, Any]:
         ],
         "worker_groups": [{"name": w.name, "models": list(w.models), "pool": w.pool,
                            "replicas": _json_value(w.replicas)} for w in g.worker_groups],
-        "pools": [{"name": p.name, "gpus": _json_value(p.gpus), "elastic": p.elastic} for p in g.pools],
+        "pools": [{"name": p.name, "gpus": _json_value(p.gpus), "elastic": p.elastic,
+                   **{k: _json_value(v) for k, v in sorted(p.options.items())}} for p in g.pools],
         "run": _json_value(g.run),
         "passes": [{"name": p.name, "changed": p.changed, "notes": list(p.notes)} for p in g.passes],
     }
