@@ -71,8 +71,8 @@ def to_text(g: Graph) -> str:
     for d in g.data:
         lines.append(f"data {d.name} = {d.kind}({d.path.rsplit('/', 1)[-1]}) {{{_kv(d.options)}}}")
     for p in g.pools:
-        extra = f", {_kv(p.options)}" if p.options else ""  # the serverless keys: gpu_fraction, keep_warm
-        lines.append(f"pool {p.name} {{gpus={p.gpus}, elastic={format_value(p.elastic)}{extra}}}")
+        keys = f", {_kv(p.options)}" if p.options else ""  # the serverless keys: gpu_fraction, keep_warm
+        lines.append(f"pool {p.name} {{gpus={p.gpus}, elastic={format_value(p.elastic)}{keys}}}")
     for w in g.worker_groups:
         pool = f" on {w.pool}" if w.pool else ""
         lines.append(f"group {w.name}{pool}: {', '.join(w.models)} x{w.replicas}")
