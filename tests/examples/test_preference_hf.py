@@ -8,6 +8,7 @@ positions is fitted to them; a trained reward model's checkpoint scores PPO's ro
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import re
@@ -22,6 +23,7 @@ from flowrl import backends
 from flowrl.compiler import compile_any
 from flowrl.dsl.stages import Pipeline
 from flowrl.models.tokenizer import CharTokenizer
+from flowrl.runtime.batch import Batch
 from flowrl.runtime.model_init import init_model
 from flowrl.runtime.pipeline import PipelineResult, run_pipeline
 
@@ -35,12 +37,13 @@ TIMES = ("step_time_s", "tokens_per_s")
 def save_tokenizer(path: Path, charset: str, specials: list[str]) -> dict[str, int]:
     """A character-level `PreTrainedTokenizerFast` saved to `path`: the characters, then `specials` (of `<eos>`,
     `<unk>`, `<pad>`, `<bos>`) in that order; its vocabulary."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     vocab = {c: i for i, c in enumerate(charset)} | {s: len(charset) + i for i, s in enumerate(specials)}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tok.decoder = decoders.Fuse()  # without it a word-level tokenizer decodes "15" as "1 5"
     named = {f"{s[1:-1]}_token": s for s in specials}
     PreTrainedTokenizerFast(tokenizer_object=tok, **named).save_pretrained(path)
     return vocab
@@ -99,6 +102,26 @@ def initial_weights(ckpt: Path) -> dict[str, torch.Tensor]:
     from transformers import AutoModelForCausalLM
 
     return dict(AutoModelForCausalLM.from_pretrained(ckpt).state_dict())
+
+
+def _judge_sums() -> Any:
+    spec = importlib.util.spec_from_file_location("judge_sums", EXAMPLES / "judge_sums.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+Judge = _judge_sums().Judge  # examples/judge_sums.py: a flow's policy answering the 100 sums greedily
+
+
+def greedy_answers(judge: Any, checkpoint: Path | None) -> list[str]:
+    """The text of the policy's greedy answer (up to 3 tokens) to each sum, with `checkpoint`'s weights (None: the
+    step-0 weights)."""
+    judge.answers(None if checkpoint is None else judge.checkpoint(checkpoint))  # loads the weights
+    prompts = Batch(len(judge.rows), {}, {"prompt": [r["prompt"] for r in judge.rows], "row": judge.rows})
+    out = judge.worker.generate(judge.model, prompts, {"n": 1, "max_tokens": 3, "temperature": 0.0}, step_seed=0)
+    return list(out.meta["response"])
 
 
 def without_times(row: dict[str, Any]) -> dict[str, Any]:
@@ -161,6 +184,14 @@ def test_the_tiny_actor_saved_as_a_checkpoint_trains_exactly_as_the_tiny_actor(t
     _, hf = run_staged(flow, tmp_path / "hf" / "out", DPO_STEPS)
     assert len(hf.metrics) == 6
     assert [without_times(r) for r in hf.metrics] == [without_times(r) for r in tiny.metrics]
+    # and the policy writes the same greedy answers to the 100 sums, as text, through either tokenizer (trained 3
+    # + 3 steps it answers with EOS at once: its step-0 weights, whose answers are 3 characters long)
+    last = max((tmp_path / "hf" / "out" / "stages" / "dpo" / "checkpoints").glob("step_*.pt"))
+    judges = [Judge(str(f)) for f in (tmp_path / "tiny" / "sums_dpo.flow", flow)]
+    for weights in (None, last):
+        answers = [greedy_answers(j, weights) for j in judges]
+        assert answers[0] == answers[1] and len(answers[0]) == 100
+    assert all(len(a) == 3 for a in greedy_answers(judges[1], None))
 
 
 # a causal LM's base transformer and its token embeddings, by family (a value model holds the base as `backbone.`)
