@@ -24,6 +24,7 @@ from typing import Any
 from flowrl.errors import Diagnostic, FlowError, Loc
 from flowrl.ir.graph import Graph, ModelDecl
 from flowrl.ir.verify import verify
+from flowrl.models.sources import hf_score_head, hf_source_problem
 
 from . import ast
 from .diagnostics import Reporter, Source, did_you_mean
@@ -251,8 +252,9 @@ def _placement_for(decl: ast.PlacementDecl, keep: set[str]) -> ast.PlacementDecl
 
 
 def check_reward_models(rep: Reporter, src: Source, stages: Sequence[Stage]) -> None:
-    """A reward model that scores rollouts before any earlier stage trained it must start from a checkpoint: with a
-    `tiny:` source or another model's weights (a fresh value head) its scores are noise."""
+    """A reward model that scores rollouts before any earlier stage trained it must start from a reward model's
+    checkpoint: with a `tiny:` source, another model's weights or a causal LM's checkpoint (a fresh value head) its
+    scores are noise."""
     trained: set[str] = set()
     for s in stages:
         decls = {m.name: m for m in s.graph.models}
@@ -260,10 +262,9 @@ def check_reward_models(rep: Reporter, src: Source, stages: Sequence[Stage]) -> 
             m = decls.get(node.model or "")
             if m is None or m.role != "reward_model" or node.method != "score" or m.name in trained:
                 continue
-            if not _untrained(m):
+            origin = _untrained(m)
+            if origin is None:
                 continue
-            origin = (f"its weights are `{m.source_model}`'s with a new value head" if m.source_model
-                      else f"its source \"{m.source}\" has random weights")
             loc = node.via or node.loc
             line = src.line(loc.line) if loc.path == src.path else None
             diag = Diagnostic(f"reward model `{m.name}` scores rollouts in stage `{s.name}`, but no earlier stage "
@@ -272,5 +273,14 @@ def check_reward_models(rep: Reporter, src: Source, stages: Sequence[Stage]) -> 
         trained.update(n.model for n in s.graph.nodes if n.model and n.method == "update")
 
 
-def _untrained(m: ModelDecl) -> bool:
-    return m.source_model is not None or m.source.startswith("tiny:")
+def _untrained(m: ModelDecl) -> str | None:
+    """Why `m` would score with an untrained value head, or None (a reward model's checkpoint)."""
+    if m.source_model is not None:
+        return f"its weights are `{m.source_model}`'s with a new value head"
+    if m.source.startswith("tiny:"):
+        return f"its source \"{m.source}\" has random weights"
+    path = m.source.removeprefix("hf:")
+    if hf_source_problem(path) is None and not hf_score_head(path):  # a causal LM's checkpoint: its head is new
+        return (f"its checkpoint \"{path}\" is not a reward model's (a one-label ...ForSequenceClassification): "
+                "it gets a new value head")
+    return None

@@ -22,6 +22,7 @@ import flowrl
 from flowrl import backends
 from flowrl.compiler import compile_any
 from flowrl.dsl.stages import Pipeline
+from flowrl.errors import FlowError
 from flowrl.models.tokenizer import CharTokenizer
 from flowrl.runtime.batch import Batch
 from flowrl.runtime.model_init import init_model
@@ -312,3 +313,32 @@ use ppo(reward = rm, group = 2, max_tokens = 3)
     assert [r["reward_mean"] for r in rows] == pytest.approx([0.5, 0.5], abs=1e-6)
     assert [r["reward_std"] for r in rows] == pytest.approx([0.0, 0.0], abs=1e-6)
     assert all(finite(r) and r["gen_tokens"] > 0 for r in rows)
+
+
+def test_a_pipeline_scoring_with_an_untrained_head_on_a_causal_lms_checkpoint_is_an_error(tmp_path: Path) -> None:
+    """`flowrl check` lets a reward model score before any stage trains it only from a reward model's checkpoint:
+    a causal LM's gets a new value head, as `tiny:` or `source = actor` ones do, and is refused as they are."""
+    from transformers import GPT2ForSequenceClassification
+
+    hf_checkpoint(tmp_path / "lm", CHARSET)
+    hf_checkpoint(tmp_path / "rm", CHARSET)
+    GPT2ForSequenceClassification.from_pretrained(tmp_path / "lm", num_labels=1).save_pretrained(tmp_path / "rm")
+    (tmp_path / "prompts.jsonl").write_text(json.dumps({"prompt": "1+1=", "answer": 2}) + "\n", encoding="utf-8")
+    text = f"""flow scored
+model actor  : policy       {{ source = "hf:{tmp_path / 'lm'}" }}
+model ref    : reference    {{ source = actor }}
+model critic : critic       {{ source = actor }}
+model rm     : reward_model {{ source = "hf:RM" }}
+data prompts = jsonl("prompts.jsonl") {{ batch = 1 }}
+stage ppo {{ use ppo(reward = rm, max_tokens = 3) }}
+"""
+    flow = tmp_path / "scored.flow"
+    flow.write_text(text.replace("RM", str(tmp_path / "lm")), encoding="utf-8")
+    with pytest.raises(FlowError) as e:
+        compile_any(str(flow))
+    assert e.value.render() == f"""{flow}:7:17: error: reward model `rm` scores rollouts in stage `ppo`, but no earlier stage trains it and its checkpoint "{tmp_path / 'lm'}" is not a reward model's (a one-label ...ForSequenceClassification): it gets a new value head
+    stage ppo {{ use ppo(reward = rm, max_tokens = 3) }}
+                    ^^^
+hint: train it in an earlier stage, or give it a checkpoint source"""
+    flow.write_text(text.replace("RM", str(tmp_path / "rm")), encoding="utf-8")
+    assert isinstance(compile_any(str(flow)), Pipeline)  # a reward model's checkpoint scores as it is
