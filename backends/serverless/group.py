@@ -265,10 +265,11 @@ class ServerlessGroup:
             made.append(self._submit(warm, self._wanted(), migrate.METHOD, c.args, kw))
         late = self.late_s()
         if away:  # the forward instances start with the first chunk (or once a generation instance returned),
-            # `late` seconds after it: a share of what they waited for chunks at the last steps, slot held
+            # `late` seconds after it: a share of what they waited for chunks at the last steps, slot held; sooner
+            # only when every generation instance has returned (one returning leaves the others' chunks to wait for)
             ray.wait([self.mailbox.take_all.remote(box, 0), *[r[1] for r, _ in made]], num_returns=1)
             if late > 0:
-                ray.wait([r[1] for r, _ in made], num_returns=1, timeout=late)
+                ray.wait([r[1] for r, _ in made], num_returns=len(made), timeout=late)
         jobs: list[tuple[ServerlessGroup, str, list[ray.ObjectRef], str]] = []
         waits: list[float] = []  # what each forward instance waited for chunks this step
         for name, fs in away.items():

@@ -221,12 +221,13 @@ class RLHFless(Serverful):
         # the forwards' and updates' instances: every device, pre-warmed from their pool's history
         forward_models = sorted({f.model for f in self.work.forwards})
         train_models = sorted({u.model for u in self.work.updates})
-        # a fused stage's forwards (`stream`) are called at the first chunk, `late` after it (or once a generation
-        # instance returned), as the backend's `stream_stage` calls them; the others at generation's end
+        # a fused stage's forwards (`stream`) are called `late` after the first chunk (or the first generation
+        # instance's return), sooner only once every generation instance returned, as the backend's `stream_stage`
+        # calls them; the others at generation's end
         streamed = [f for f in self.work.forwards if f.stream]
         late = self.late_s() if streamed else 0.0
-        fwd_at = min(min(s.finished_at or res.end for s in seqs) + late,
-                     min(i.released or res.end for i in res.instances)) if streamed else res.end
+        first = min(min(s.finished_at or res.end for s in seqs), min(i.released or res.end for i in res.instances))
+        fwd_at = min(first + late, max(i.released or res.end for i in res.instances)) if streamed else res.end
         fwd_ready, fwd_from, fwd_unused = self.pools["inference"].start(
             fwd_at, self.devices, self._load(forward_models), cold, self.opts.margin_s, self.opts.prewarm) \
             if forward_models else ([res.end], [res.end], (0, 0.0))

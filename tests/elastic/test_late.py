@@ -91,3 +91,28 @@ def test_the_simulator_starts_a_fused_stages_forwards_late_and_holds_them_less()
             assert first.pools["inference"].held < base.pools["inference"].held
         assert on.slack_s == pytest.approx(update_slack(slack, [first.notes["chunk_wait_s"]], late))
         slack = on.slack_s
+
+
+def test_a_returning_generation_instance_does_not_start_the_forwards_before_their_late_start() -> None:
+    """RLHFless's testbed setting (bench/sim_papers.py: 16 L40S, Qwen2.5-3B GRPO, 256 prompts x 8, long-tailed
+    responses, lambda 1), 8 steps. Its generation instances return at different times; when the first one's return
+    started the forward instances whatever their late start, they held their devices waiting for chunks for most of
+    generation (34 s a step) and the run held 22% more device-seconds than serverful pools (931 vs 761). Started
+    late as learned, sooner only once every generation instance returned: 13 s a step, 18% fewer (623)."""
+    from flowrl.backends.sim.hardware import load_cluster
+    from flowrl.backends.sim.policies import Options
+    from flowrl.backends.sim.shapes import known
+    from flowrl.backends.sim.simulate import simulate
+    from flowrl.backends.sim.work import flow_work
+    from flowrl.backends.sim.workload import LongTail, synthetic
+    from flowrl.compiler import compile_file
+    from flowrl.ir.printer import to_json
+
+    work = flow_work(to_json(compile_file("examples/longtail_grpo.flow")), {"actor": known("qwen2.5-3b")}, 256, 8,
+                     2048)
+    cost = CostModel(load_cluster("l40s:2"))
+    load = synthetic(LongTail(prompts=256, samples=8, max_tokens=2048, median=300, dataset=1024), 8, seed=0)
+    fixed = simulate("serverful", cost, work, load, Options())
+    less = simulate("rlhfless", cost, work, load, Options(cost_weight=1.0))
+    assert less.note("late_s") > 0
+    assert less.held_s < fixed.held_s
