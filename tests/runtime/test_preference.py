@@ -103,7 +103,7 @@ def test_reward_and_sft_losses_sum_over_micro_batches() -> None:
     pairs = pair_batch(_rows_batch(_sum_pairs(4, seed=1)), rm.tokenizer, context=64)
     whole, m = reward_micro_loss(rm.module, pairs, num_pairs=4)
     halves = [reward_micro_loss(rm.module, pairs.slice(i, i + 4), num_pairs=4) for i in (0, 4)]
-    assert sum(float(h[0]) for h in halves) == pytest.approx(float(whole), rel=1e-5)
+    assert sum(float(h[0].detach()) for h in halves) == pytest.approx(float(whole.detach()), rel=1e-5)
     assert sum(h[1]["rm_accuracy"] for h in halves) == pytest.approx(m["rm_accuracy"])
     policy = _model("policy")
     demos = demo_batch(_rows_batch([{"prompt": "1+1=", "response": "2"}, {"prompt": "2+9=", "response": "11"}]),
@@ -111,7 +111,7 @@ def test_reward_and_sft_losses_sum_over_micro_batches() -> None:
     tokens = float(demos["response_mask"].sum())
     whole_sft, _ = sft_micro_loss(policy.module, demos, num_tokens=tokens)
     parts = [sft_micro_loss(policy.module, demos.slice(i, i + 1), num_tokens=tokens)[0] for i in (0, 1)]
-    assert float(sum(parts)) == pytest.approx(float(whole_sft), rel=1e-5)
+    assert float(sum(p.detach() for p in parts)) == pytest.approx(float(whole_sft.detach()), rel=1e-5)
 
 
 def test_a_reward_model_learns_the_hidden_rule_on_held_out_pairs() -> None:
