@@ -11,7 +11,6 @@ with --picture) and a table of the scores at each stage's end.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import subprocess
 import sys
@@ -21,18 +20,11 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from examples.judge_sums import Judge  # noqa: E402
 from flowrl.compiler import compile_any  # noqa: E402
 from flowrl.dsl.stages import Pipeline  # noqa: E402
 
 FLOWS = {"SFT -> RM -> PPO": ROOT / "examples" / "sums_pipeline.flow", "SFT -> DPO": ROOT / "examples" / "sums_dpo.flow"}
-
-
-def _judge_module() -> Any:
-    spec = importlib.util.spec_from_file_location("judge_sums", ROOT / "examples" / "judge_sums.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def scores(rows: list[dict[str, Any]], right: list[float]) -> dict[str, float]:
@@ -90,7 +82,6 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     a.out.mkdir(parents=True, exist_ok=True)
     curves, pipes = {}, {}
-    judge = _judge_module()
     for name, flow in FLOWS.items():
         run = a.out / flow.stem
         if not a.judge_only:
@@ -99,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         pipe = compile_any(str(flow))
         assert isinstance(pipe, Pipeline)
         pipes[name] = pipe
-        curves[name] = curve(run, pipe, judge.Judge(str(flow)))
+        curves[name] = curve(run, pipe, Judge(str(flow)))
     (a.out / "pipeline_sums.json").write_text(json.dumps(curves, indent=1), encoding="utf-8")
     print("| pipeline | stage end | step | all 100 sums | sums 0-4 + b (demonstrated) | sums 5-9 + b |")
     print("| --- | --- | ---: | ---: | ---: | ---: |")

@@ -8,7 +8,6 @@ positions is fitted to them; a trained reward model's checkpoint scores PPO's ro
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import re
@@ -19,6 +18,7 @@ import pytest
 import torch
 
 import flowrl
+from examples.judge_sums import Judge  # a flow's policy answering the 100 sums greedily
 from flowrl import backends
 from flowrl.compiler import compile_any
 from flowrl.dsl.stages import Pipeline
@@ -105,15 +105,6 @@ def initial_weights(ckpt: Path) -> dict[str, torch.Tensor]:
     return dict(AutoModelForCausalLM.from_pretrained(ckpt).state_dict())
 
 
-def _judge_sums() -> Any:
-    spec = importlib.util.spec_from_file_location("judge_sums", EXAMPLES / "judge_sums.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-Judge = _judge_sums().Judge  # examples/judge_sums.py: a flow's policy answering the 100 sums greedily
 
 
 def greedy_answers(judge: Any, checkpoint: Path | None) -> list[str]:

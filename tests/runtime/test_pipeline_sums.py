@@ -6,13 +6,12 @@ better at the end than after SFT alone. About 3 minutes on 2 cores (measured: he
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
-from typing import Any
 
 import pytest
 
+from examples.judge_sums import Judge  # the repository root is on the path, as `tests.` imports need
 from flowrl import backends
 from flowrl.compiler import compile_any
 from flowrl.dsl.stages import Pipeline
@@ -20,14 +19,6 @@ from flowrl.runtime.pipeline import run_pipeline
 
 ROOT = Path(__file__).resolve().parents[2]
 FLOW = ROOT / "examples" / "sums_pipeline.flow"
-
-
-def _judge() -> Any:
-    spec = importlib.util.spec_from_file_location("judge_sums", ROOT / "examples" / "judge_sums.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.mark.slow
@@ -38,7 +29,7 @@ def test_sft_then_reward_model_then_ppo_beats_sft_alone(tmp_path: Path) -> None:
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     held = [r["rm/eval_accuracy"] for r in rows if r["stage"] == "rm_anneal" and "rm/eval_accuracy" in r]
     assert held and held[-1] >= 0.9, held  # 200 pairs of a sum and a wrong answer never seen together
-    judge = _judge().Judge(str(FLOW))
+    judge = Judge(str(FLOW))
     last = {name: max((tmp_path / "stages" / name / "checkpoints").glob("step_*.pt")) for name in ("sft", "ppo")}
     after_sft = sum(judge.answers(judge.checkpoint(last["sft"])))
     after_ppo = sum(judge.answers(judge.checkpoint(last["ppo"])))
