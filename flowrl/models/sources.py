@@ -51,7 +51,7 @@ def hf_positions(path: str) -> int | None:
     cfg = _hf_config(path)
     for key in ("max_position_embeddings", "n_positions", "n_ctx"):
         value = cfg.get(key)
-        if isinstance(value, int):
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:  # `true` is no context
             return value
     return None
 

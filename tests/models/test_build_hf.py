@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from flowrl.models.build import ModelSpec, ValueModel, build_model
-from flowrl.models.sources import hf_score_head
+from flowrl.models.sources import hf_positions, hf_score_head
 
 CHARSET = "0123456789+="
 
@@ -93,3 +93,10 @@ def test_a_special_token_past_the_models_embeddings_is_named(tmp_path: Path) -> 
         "embeddings (ids 0..13); resize the model's embeddings to the tokenizer "
         "(`model.resize_token_embeddings(len(tokenizer))`) and save it again, or give the tokenizer a pad token the "
         "model has")
+
+
+@pytest.mark.parametrize(("value", "want"), [(64, 64), (True, None), (0, None), (-8, None), ("64", None)])
+def test_hf_positions_reads_only_a_positive_int(tmp_path: Path, value: object, want: int | None) -> None:
+    """A config.json's positions become the model's context: `true` (an int to Python), 0 or a string is none."""
+    (tmp_path / "config.json").write_text(json.dumps({"n_positions": value}))
+    assert hf_positions(str(tmp_path)) == want
