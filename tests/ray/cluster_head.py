@@ -3,8 +3,7 @@ with `ray start --head` on free ports in a session of its own, stopped by killin
 `ray stop`, which stops every Ray instance on the machine); `flowrl run` against it, alone or counted from outside
 by a second driver (slot_sampler.py); and the flows those tests run.
 
-Tests are not a package (pytest imports them by path): they get this module from the `cluster` fixture
-(tests/ray/conftest.py)."""
+The tests get this module from the `cluster` fixture (tests/ray/conftest.py)."""
 
 from __future__ import annotations
 

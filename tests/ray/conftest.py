@@ -23,8 +23,8 @@ TIMES = ("step_time_s", "tokens_per_s")
 @pytest.fixture(scope="session")
 def cluster() -> ModuleType:
     """tests/ray/cluster_head.py: a private Ray head, `flowrl run` against it (sampled from outside or not), the
-    long-tail flow. Loaded by path: tests are not a package (pytest imports them by path), so a test cannot import
-    a module beside it."""
+    long-tail flow. Loaded by its path, once for the session: it also imports as `tests.ray.cluster_head` where the
+    repository root is on the path (`python -m pytest` from it), which a fixture does not depend on."""
     spec = importlib.util.spec_from_file_location("cluster_head", Path(__file__).with_name("cluster_head.py"))
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
