@@ -23,6 +23,7 @@ from flowrl.errors import DataError
 from flowrl.ir.graph import ROLES, DataDecl, Graph, ModelDecl, Range, Ref, RewardDecl, Value, frozen
 from flowrl.ir.signatures import (
     DATA_KEYS,
+    EVAL_KEYS,
     HTTP_REWARD_KEYS,
     MODEL_KEYS,
     REWARD_KEYS,
@@ -35,6 +36,7 @@ from . import ast
 from .checks import Flow, check_device, check_flow, check_shape, check_source
 from .diagnostics import Reporter, Source, did_you_mean
 from .environments import EnvInfo, attach_envs, env_bindings, lower_envs
+from .evals import EvalContext, lower_evals
 from .keys import Entry as _Entry
 from .keys import check_value
 from .overrides import Overrides, parse_overrides
@@ -76,14 +78,18 @@ def _importable(folder: str) -> Iterator[None]:
             sys.path.remove(folder)
 
 
-def lower(module: ast.Module, overrides: Mapping[str, str] | None = None) -> Graph:
-    """Lower a parsed flow to a Graph; raises FlowError listing every problem found."""
-    return _Lowering(module, overrides).run()
+def lower(module: ast.Module, overrides: Mapping[str, str] | None = None, *,
+          generated: Mapping[str, int] | None = None) -> Graph:
+    """Lower a parsed flow to a Graph; raises FlowError listing every problem found. `generated`: a pipeline's
+    policies' generate `max_tokens` in any stage, the default of an `eval` in a stage that generates nothing."""
+    return _Lowering(module, overrides, generated).run()
 
 
 class _Lowering:
-    def __init__(self, module: ast.Module, overrides: Mapping[str, str] | None) -> None:
+    def __init__(self, module: ast.Module, overrides: Mapping[str, str] | None,
+                 generated: Mapping[str, int] | None = None) -> None:
         self.module = module
+        self.generated = dict(generated or {})
         self.src = Source(module.path, module.text)
         self.rep = Reporter()
         self.folder = flow_folder(module.path)
@@ -132,10 +138,15 @@ class _Lowering:
                 name = unused.name.name
                 self.rep.warn(self.src, f"reward `{name}` is not used: the scores are the environment's alone",
                               unused.name, hint=f"to grade trajectories with it, pass it: `reward = {name}`")
+        evals = lower_evals(self.rep, self.src, [d for d in self.module.decls if isinstance(d, ast.EvalDecl)],
+                            EvalContext(models, rewards, data, nodes, run, self.generated),
+                            lambda entries: self._block(entries, (), ovr, EVAL_KEYS, "eval"),
+                            lambda block: self._filled(block, EVAL_KEYS, "eval"))
         if not self.rep.diagnostics:  # checks across declarations and nodes, on a flow that is right so far
             check_flow(self.rep, Flow(self.src, models, self._model_blocks, data,
                                       {d.name.name: d for d in data_ast}, self._data_blocks, self._prompts,
-                                      self._shown, nodes, steps.written, str(run.get("device", "auto")), envs))
+                                      self._shown, nodes, steps.written, str(run.get("device", "auto")), envs,
+                                      frozenset(e.data for e in evals)))
         placements = [d for d in self.module.decls if isinstance(d, ast.PlacementDecl)]
         pools, groups, nodes = Placer(self.rep, models, replicas_at).place(placements, self.src, nodes)
         flow = self._flow_name()
@@ -143,7 +154,7 @@ class _Lowering:
         return Graph(
             flow=flow, path=self.module.path, models=tuple(models), nodes=tuple(nodes),
             rewards=tuple(rewards), data=tuple(data), run=frozen(run), pools=pools, worker_groups=groups,
-            imports=tuple(imports), template=template, warnings=tuple(self.rep.warnings),
+            imports=tuple(imports), template=template, warnings=tuple(self.rep.warnings), evals=tuple(evals),
         )
 
     # ---- names ----------------------------------------------------------------------------------

@@ -1,11 +1,13 @@
 """The per-step progress bar (rich): step, the step's headline metric (reward, or a preference stage's accuracy or
-loss) and generated tokens per second."""
+loss), generated tokens per second, and the latest held-out evaluation's score (`eval NAME`'s mean@K)."""
 
 from __future__ import annotations
 
 import sys
 from types import TracebackType
 from typing import Any
+
+from flowrl.runtime import evaluation
 
 # A step without a reward (an SFT, reward-model or DPO update on data) is summed up by the first of these its row
 # has: (key suffix, the name shown).
@@ -27,7 +29,7 @@ def headline(row: dict[str, Any]) -> tuple[str, float]:
 
 def summary(rows: list[dict[str, Any]]) -> str:
     """'last-5 reward 0.812' (the mean of the headline over the last five rows, named by the last row's)."""
-    last = rows[-5:]
+    last = [r for r in rows if not evaluation.eval_only(r)][-5:]  # a step-0 evaluation is no training step
     if not last:
         return "no steps"
     name = headline(last[-1])[0]
@@ -40,6 +42,7 @@ class Progress:
 
     def __init__(self, total: int, enabled: bool = True, every: int = 10):
         self.total, self.enabled, self.every = total, enabled, max(1, every)
+        self.held = ""  # the latest evaluation, as shown: "  eval held 0.450"
         self._bar: Any = None
         self._task: Any = None
 
@@ -51,19 +54,28 @@ class Progress:
             self._bar = RichProgress(
                 TextColumn("[bold]step"), MofNCompleteColumn(), BarColumn(),
                 TextColumn("{task.fields[what]} {task.fields[value]:.3f}"), TextColumn("{task.fields[tps]:.0f} tok/s"),
-                TimeRemainingColumn(), transient=False,
+                TextColumn("{task.fields[held]}"), TimeRemainingColumn(), transient=False,
             )
             self._bar.__enter__()
-            self._task = self._bar.add_task("run", total=self.total, what="reward", value=0.0, tps=0.0)
+            self._task = self._bar.add_task("run", total=self.total, what="reward", value=0.0, tps=0.0, held="")
         return self
 
     def update(self, step: int, row: dict[str, Any]) -> None:
         (what, value), tps = headline(row), float(row.get("tokens_per_s", 0.0))
+        held = evaluation.headline(row)
+        if held is not None:
+            self.held = f"{held[0]} {held[1]:.3f}"
         if self._bar is not None:
-            self._bar.update(self._task, completed=step, what=what, value=value, tps=tps)
-        elif self.enabled and (step % self.every == 0 or step == self.total or step == 1):
+            if evaluation.eval_only(row):  # the step-0 evaluation: no step's figures to show yet
+                self._bar.update(self._task, held=self.held)
+            else:
+                self._bar.update(self._task, completed=step, what=what, value=value, tps=tps, held=self.held)
+        elif self.enabled and evaluation.eval_only(row):
+            print(f"step {step}/{self.total}  {self.held}", file=sys.stderr, flush=True)
+        elif self.enabled and (step % self.every == 0 or step == self.total or step == 1 or held is not None):
+            shown = f"  {self.held}" if self.held else ""
             print(f"step {step}/{self.total}  {what} {value:.3f}  {tps:.0f} tok/s  "
-                  f"{row.get('step_time_s', 0.0):.2f} s/step", file=sys.stderr, flush=True)
+                  f"{row.get('step_time_s', 0.0):.2f} s/step{shown}", file=sys.stderr, flush=True)
 
     def __exit__(self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
         if self._bar is not None:

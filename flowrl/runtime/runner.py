@@ -26,6 +26,7 @@ from flowrl.ir.printer import to_json_text, to_text
 from flowrl.runtime import carry, cost, interrupt, report
 from flowrl.runtime.ahead import Ahead, async_node
 from flowrl.runtime.controller import Controller, Span
+from flowrl.runtime.evaluation import EVAL_SAMPLES, EvalStep, Evaluations, write_samples
 from flowrl.runtime.protocol import Backend, WorkerGroup
 from flowrl.runtime.scoring import Scorer, make_scorer
 
@@ -100,6 +101,7 @@ def run(graph: Graph, *, out_dir: str | Path, backend: Backend, steps: int | Non
     t0 = time.perf_counter()
     rewards: dict[str, Scorer] = {}
     ahead: Ahead | None = None
+    evals: Evaluations | None = None
     pools: list[cost.Pool] = []
     meter: cost.CostMeter | None = None
     try:
@@ -118,6 +120,7 @@ def run(graph: Graph, *, out_dir: str | Path, backend: Backend, steps: int | Non
             start, kept = _load_checkpoint(ckpt, groups, loaders)
             report.truncate_metrics(metrics_path, start)
             report.truncate_metrics(lengths_path, start)
+            report.truncate_metrics(out / EVAL_SAMPLES, start)
             events = [e for e in report.load_trace(trace_path) if e.get("ph") == "X" and e["args"]["step"] <= start]
             t0 -= max((e["ts"] + e["dur"]) / 1e6 for e in events if e.get("ph") == "X") if events else 0.0
         about: dict[str, Any] = {"flow": graph.path, "backend": be.name, "seed": seed, "steps": total, "device": dev}
@@ -130,12 +133,23 @@ def run(graph: Graph, *, out_dir: str | Path, backend: Backend, steps: int | Non
             (out / "run.json").write_text(json.dumps(about, indent=2), encoding="utf-8")
         elif gen is not None:
             ahead = Ahead(ctl, be, first=start + 1, last=total, state=kept.get("ahead"))
+        ctl.last_step = total  # a held-out evaluation of a preference update also runs at the last step
+        evals = Evaluations(graph, groups, seed=seed, last=total, clock_start=t0, asynchronous=ahead is not None)
         tb = report.TensorBoard(out / "tb")
         group_names = ["controller", *[w.name for w in graph.worker_groups]]
         spans: list[Span] = []
         wall0 = time.time() - time.perf_counter()  # wall clock minus perf_counter: instance tasks report wall time
         meter = cost.CostMeter(pools, starting_s=starting, clock=time.perf_counter(), wall=wall0,
                                reserving=be if isinstance(be, cost.Reserving) else None)
+        if start == 0 and evals.due(0):  # `at_start`: the step-0 weights, in a row of their own (no training step)
+            first = evals.run(0)
+            row0: dict[str, Any] = {"step": 0, **first.metrics}
+            report.append_metrics(metrics_path, row0)
+            write_samples(out / EVAL_SAMPLES, first.samples)
+            tb.log(0, row0)
+            spans.extend(first.spans)
+            if on_step is not None:
+                on_step(0, row0)
         for step in range(start + 1, total + 1):
             interrupt.check()  # Ctrl-C whose KeyboardInterrupt a library swallowed still ends the run here
             began = time.perf_counter()
@@ -143,6 +157,10 @@ def run(graph: Graph, *, out_dir: str | Path, backend: Backend, steps: int | Non
             res = ahead.step(step) if ahead is not None else ctl.step(step)
             row: dict[str, Any] = {"step": step, **res.metrics, "step_time_s": time.perf_counter() - began}
             row["tokens_per_s"] = row.get("gen_tokens", 0.0) / max(row["step_time_s"], 1e-9)
+            held: EvalStep = evals.run(step)  # after the step's own figures: its time and tokens leave it out
+            row.update(held.metrics)
+            res.spans.extend(held.spans)
+            write_samples(out / EVAL_SAMPLES, held.samples)
             row.update(be.metrics())
             used = be.usage()
             row.update(meter.step(res.spans, time.perf_counter(), used))
@@ -168,6 +186,8 @@ def run(graph: Graph, *, out_dir: str | Path, backend: Backend, steps: int | Non
     finally:
         if ahead is not None:
             ahead.close()
+        if evals is not None:
+            evals.close()
         close_scorers(rewards)
         be.shutdown()
     metrics = report.read_metrics(metrics_path)
@@ -194,7 +214,7 @@ def _claim(out: Path, resume: bool, overwrite: bool) -> None:
                                        hint="continue it with --resume, replace it with --overwrite, "
                                             "or choose another --out"))
         shutil.rmtree(out / CKPT_DIR, ignore_errors=True)
-        for name in ("metrics.jsonl", "lengths.jsonl", "trace.json", "reward.png", "cost.json"):
+        for name in ("metrics.jsonl", "lengths.jsonl", "trace.json", "reward.png", "cost.json", EVAL_SAMPLES):
             (out / name).unlink(missing_ok=True)
         shutil.rmtree(out / "tb", ignore_errors=True)
     out.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,239 @@
+"""Evaluation during training (`eval NAME { ... }`, flowrl.runtime.evaluation) and `flowrl eval`: rows at the right
+steps, figures that agree with the samples they come from, the same numbers on every backend and outside the run
+(`flowrl eval --init` / `--step`), and no change to any training number, resumed or not."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import flowrl
+from flowrl import cli
+from flowrl.ir.graph import Graph
+
+FLOW = """
+model actor : policy {{ source = "tiny:gpt2", layers = 1, dim = 32, heads = 2, charset = "0123456789+=", lr = 3e-3 }}
+model ref : reference {{ source = actor }}
+reward scored = "evalreward.first_low"
+data prompts = jsonl("data.jsonl") {{ batch = 4 }}
+data held = jsonl("held.jsonl")
+use grpo(reward = scored, group = 4, max_tokens = 3, kl_coef = 0.01)
+placement {{
+    pool gen   {{ gpus = 1 }}
+    pool train {{ gpus = 1 }}
+    actor.generate -> gen
+    actor.update, ref -> train
+}}
+{evals}
+run {{ steps = {steps}, seed = 5, checkpoint_every = 2, max_staleness = {k} }}
+"""
+EVAL = "eval held { data = held, n = 4, temperature = 1.0, every = 2, at_start = true }"
+# right when the answer starts with a low digit, about half the samples of an untrained policy: pass@k moves
+REWARD = ('def first_low(prompt, response, **_):\n    return 1.0 if response[:1] in tuple("01234") else 0.0\n\n\n'
+          "first_low.extract_answer = lambda response: response[:1] or None\n")
+KEYS = ["mean@4", "pass@1", "pass@2", "pass@4", "maj@4", "response_len_mean"]
+TIMES = ("step_time_s", "tokens_per_s")
+
+
+def write(folder: Path, *, steps: int = 3, k: int = 0, evals: str = EVAL) -> Graph:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "evalreward.py").write_text(REWARD)
+    rows = [{"prompt": f"{a}+{b}=", "answer": a + b} for a in range(4) for b in range(4)]
+    (folder / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    held = [{"prompt": f"{a}+{b}=", "answer": a + b, "data_source": "low" if a < 6 else "high"}
+            for a, b in ((4, 5), (5, 5), (6, 3), (7, 1), (8, 8), (9, 0))]
+    (folder / "held.jsonl").write_text("".join(json.dumps(r) + "\n" for r in held))
+    (folder / "f.flow").write_text(FLOW.format(evals=evals, steps=steps, k=k))
+    return flowrl.load(str(folder / "f.flow"))
+
+
+def evals(row: dict[str, Any]) -> dict[str, float]:
+    return {k.removeprefix("eval/held/"): v for k, v in row.items() if k.startswith("eval/held/")}
+
+
+def training(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The training steps' numbers: no step-0 row, no evaluation, no timings."""
+    return [{k: v for k, v in r.items() if not k.startswith(("eval/", "time/", "cost/", "async/")) and k not in TIMES}
+            for r in rows if r["step"] > 0]
+
+
+def samples(run: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (run / "eval_samples.jsonl").read_text().splitlines()]
+
+
+def flowrl_eval(capsys: pytest.CaptureFixture[str], *args: str) -> dict[str, Any]:
+    assert cli.main(["eval", *args, "--json"]) == 0
+    out: dict[str, Any] = json.loads(capsys.readouterr().out)
+    return out
+
+
+def test_evaluations_land_on_their_steps_with_figures_the_samples_give(tmp_path: Path) -> None:
+    run = flowrl.run(write(tmp_path, steps=5), out_dir=tmp_path / "out")
+    rows = run.metrics
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4, 5]  # step 0: at_start, in a row of its own
+    assert [r["step"] for r in rows if "eval/held/mean@4" in r] == [0, 2, 4, 5]  # every 2, and the last step
+    assert set(rows[0]) == {"step", "time/eval/held", *(f"eval/held/{k}" for k in KEYS),
+                            *(f"eval/held/{s}/{k}" for s in ("low", "high") for k in KEYS)}
+    recorded = samples(tmp_path / "out")
+    assert sorted(Counter(s["step"] for s in recorded).items()) == [(0, 24), (2, 24), (4, 24), (5, 24)]
+    for row in rows:  # each step's figures, recomputed here from its samples with the formulas
+        mine = [s for s in recorded if s["step"] == row["step"]]
+        if not mine:
+            continue
+        got = evals(row)
+        for source, part in (("", mine), ("low/", [s for s in mine if s["data_source"] == "low"]),
+                             ("high/", [s for s in mine if s["data_source"] == "high"])):
+            by_row: dict[int, list[dict[str, Any]]] = {}
+            for s in part:
+                by_row.setdefault(s["row"], []).append(s)
+            assert {len(v) for v in by_row.values()} == {4}
+            right = [sum(s["reward"] == 1.0 for s in v) for v in by_row.values()]
+            assert got[f"{source}mean@4"] == pytest.approx(sum(s["reward"] for s in part) / len(part))
+            for k in (1, 2, 4):
+                want = sum(1 - math.comb(4 - c, k) / math.comb(4, k) for c in right) / len(right)
+                assert got[f"{source}pass@{k}"] == pytest.approx(want)
+            votes = [Counter(s["response"][:1] for s in v if s["response"][:1]).most_common() for v in by_row.values()]
+            firsts = [next(s for s in v if s["response"][:1] == top[0][0]) if top and (
+                len(top) == 1 or top[0][1] > top[1][1]) else None for v, top in zip(by_row.values(), votes, strict=True)]
+            if all(f is not None for f in firsts):  # no tied vote: the winner is unambiguous without the tie rule
+                assert got[f"{source}maj@4"] == pytest.approx(sum(f["reward"] for f in firsts if f) / len(firsts))
+            assert got[f"{source}response_len_mean"] == pytest.approx(
+                sum(s["response_len"] for s in part) / len(part))
+    assert any(0 < evals(r)["pass@1"] < evals(r)["pass@4"] < 1 for r in rows if "eval/held/pass@1" in r)
+    spans = [e for e in json.loads((tmp_path / "out" / "trace.json").read_text())["traceEvents"]
+             if e.get("cat") == "eval"]  # what `flowrl timeline` draws
+    assert sorted({e["args"]["step"] for e in spans}) == [0, 2, 4, 5]
+    assert {e["name"] for e in spans} == {"eval/held", "eval/held.score"}
+
+
+def test_an_eval_block_changes_no_training_number(tmp_path: Path) -> None:
+    plain = flowrl.run(write(tmp_path / "plain", evals=""), out_dir=tmp_path / "plain" / "out").metrics
+    held = flowrl.run(write(tmp_path / "held"), out_dir=tmp_path / "held" / "out").metrics
+    assert [r["step"] for r in plain] == [1, 2, 3] and [r["step"] for r in held] == [0, 1, 2, 3]
+    assert training(held) == training(plain)  # gen_tokens, reward, loss, kl: eval draws from none of them
+    assert [r["gen_tokens"] for r in held if r["step"] > 0] == [r["gen_tokens"] for r in plain]
+
+
+def test_flowrl_eval_gives_the_runs_own_numbers_at_step_0_and_at_a_checkpoint(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rows = flowrl.run(write(tmp_path, steps=2), out_dir=tmp_path / "out").metrics
+    out, data = str(tmp_path / "out"), str(tmp_path / "held.jsonl")
+    init = flowrl_eval(capsys, out, "--init", "--data", data, "--samples", str(tmp_path / "s.jsonl"))
+    assert init == {**evals(rows[0]), "rows": 6, "step": 0}  # exact: same weights, prompts, seeds and reward
+    assert [json.loads(line) for line in (tmp_path / "s.jsonl").read_text().splitlines()] == [
+        s for s in samples(tmp_path / "out") if s["step"] == 0]
+    assert flowrl_eval(capsys, out, "--step", "2", "--data", data) == {**evals(rows[2]), "rows": 6, "step": 2}
+    # other settings than the eval block's: greedy, one answer, the reward named
+    greedy = flowrl_eval(capsys, out, "--data", data, "--n", "1", "--temperature", "0",
+                         "--reward", "evalreward.first_low")
+    assert set(greedy) == {"mean@1", "pass@1", "response_len_mean", "low/mean@1", "low/pass@1",
+                           "low/response_len_mean", "high/mean@1", "high/pass@1", "high/response_len_mean", "rows",
+                           "step"}
+    api = flowrl.evaluate(out, data=data, init=True)
+    assert api.metrics == {k: v for k, v in init.items() if k not in ("rows", "step")} and len(api.samples) == 24
+
+
+def test_a_resumed_run_evaluates_as_an_uninterrupted_one(tmp_path: Path) -> None:
+    graph = write(tmp_path, steps=4)
+    whole = flowrl.run(graph, out_dir=tmp_path / "whole").metrics
+    flowrl.run(graph, out_dir=tmp_path / "cut", steps=2)
+    resumed = flowrl.run(graph, out_dir=tmp_path / "cut", resume=True).metrics
+    strip = [{k: v for k, v in r.items() if not k.startswith(("time/", "cost/")) and k not in TIMES} for r in whole]
+    assert [{k: v for k, v in r.items() if not k.startswith(("time/", "cost/")) and k not in TIMES}
+            for r in resumed] == strip
+    assert samples(tmp_path / "cut") == samples(tmp_path / "whole")
+
+
+@pytest.mark.parametrize("args", [
+    (["nowhere"], "error: eval: no run directory nowhere\nhint: pass the --out folder of a `flowrl run`\n"),
+    (["{out}", "--step", "7"], "error: eval: no checkpoint at step 7 in {out}/checkpoints\n"
+                               "hint: checkpoints at steps: 2\n"),
+    (["{out}", "--model", "ref"], "error: eval: `ref` is a reference; an evaluation generates with a policy\n"
+                                  "hint: policies: actor\n"),
+    (["{out}", "--model", "critic"], "error: eval: no model `critic` in {out}\nhint: its models: actor, ref\n"),
+    (["{out}", "--reward", "evalreward.nope"],
+     "error: --reward: cannot resolve reward \"evalreward.nope\": module 'evalreward' has no attribute 'nope'\n"
+     "hint: a registered reward (arith_exact, math_equal, ...) or a dotted path to a Python function, `module.fn`\n"),
+    (["{out}", "--n", "0"], "error: eval: --n must be at least 1, got 0\n"),
+], ids=["run_dir", "step", "not_a_policy", "model", "reward", "n"])
+def test_flowrl_eval_says_what_is_wrong_without_a_traceback(
+        args: tuple[list[str], str], evaluated_run: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argv, want = args
+    out = str(evaluated_run / "out")
+    code = cli.main(["eval", *(a.format(out=out) for a in argv), "--data", str(evaluated_run / "held.jsonl")])
+    assert (code, capsys.readouterr().err) == (1, want.format(out=out))
+
+
+def test_flowrl_eval_names_the_line_of_bad_data(evaluated_run: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = evaluated_run / "bad.jsonl"
+    bad.write_text('{"prompt": "1+1="}\n{"prompt": 3}\n')
+    assert cli.main(["eval", str(evaluated_run / "out"), "--data", str(bad)]) == 1
+    assert capsys.readouterr().err == (f"{bad}:2:1: error: missing string field 'prompt'\n"
+                                       '    {"prompt": 3}\n    ^\n'
+                                       'hint: every row needs "prompt": "..." (or chat messages)\n')
+
+
+@pytest.fixture(scope="module")
+def evaluated_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 2-step run with the eval block (checkpoint at step 2), for the error cases."""
+    folder = tmp_path_factory.mktemp("evaluated")
+    flowrl.run(write(folder, steps=2), out_dir=folder / "out")
+    return folder
+
+
+# ---- every backend: the same numbers ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def local_rows(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    folder = tmp_path_factory.mktemp("local")
+    return flowrl.run(write(folder), out_dir=folder / "out").metrics
+
+
+@pytest.fixture
+def ray_slots(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A local Ray instance with device slots (the serverless backend), started by the Ray cases only."""
+    import logging
+    import os
+
+    import ray
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=4, resources={"device_slot": 4}, include_dashboard=False, log_to_driver=False,
+                 logging_level=logging.WARNING, namespace="flowrl-tests")
+    yield
+    if started:
+        ray.shutdown()
+
+
+@pytest.mark.parametrize("backend", ["local", "threads", "process", pytest.param("ray", marks=pytest.mark.ray),
+                                     pytest.param("serverless", marks=pytest.mark.ray)])
+def test_every_backend_evaluates_with_the_local_numbers(backend: str, tmp_path: Path, local_rows: list[dict[str, Any]],
+                                                        request: pytest.FixtureRequest) -> None:
+    if backend in ("ray", "serverless"):
+        request.getfixturevalue("ray_slots")
+    rows = flowrl.run(write(tmp_path), out_dir=tmp_path / "out", backend=backend).metrics
+    assert [r["step"] for r in rows if "eval/held/mean@4" in r] == [0, 2, 3]
+    for got, want in zip(rows, local_rows, strict=True):
+        assert evals(got) == pytest.approx(evals(want), abs=1e-6), (backend, got["step"])
+    for got_row, want_row in zip(training(rows), training(local_rows), strict=True):  # (and how each backend ran)
+        assert {k: got_row[k] for k in want_row} == pytest.approx(want_row, abs=1e-4), backend
+
+
+def test_an_asynchronous_run_evaluates_the_trained_weights(tmp_path: Path, local_rows: list[dict[str, Any]],
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    rows = flowrl.run(write(tmp_path, k=1), out_dir=tmp_path / "out", backend="process").metrics
+    assert [r.get("async/version") for r in rows] == [None, 0.0, 0.0, 1.0]  # asynchronous indeed
+    assert [r["step"] for r in rows if "eval/held/mean@4" in r] == [0, 2, 3]
+    assert evals(rows[0]) == evals(local_rows[0])  # the same step-0 weights
+    # step 2's evaluation scored the weights after update 2 (the train group's), not the generation group's older
+    at2 = flowrl_eval(capsys, str(tmp_path / "out"), "--step", "2", "--data", str(tmp_path / "held.jsonl"))
+    assert at2 == {**evals(rows[2]), "rows": 6, "step": 2}
