@@ -237,3 +237,47 @@ def test_an_asynchronous_run_evaluates_the_trained_weights(tmp_path: Path, local
     # step 2's evaluation scored the weights after update 2 (the train group's), not the generation group's older
     at2 = flowrl_eval(capsys, str(tmp_path / "out"), "--step", "2", "--data", str(tmp_path / "held.jsonl"))
     assert at2 == {**evals(rows[2]), "rows": 6, "step": 2}
+
+
+STAGED = """flow staged
+model actor : policy { source = "tiny:gpt2", layers = 1, dim = 32, heads = 2, charset = "0123456789+=", lr = 3e-3 }
+model ref : reference { source = actor }
+model rm : reward_model { source = actor, lr = 1e-3 }
+reward scored = "evalreward.first_low"
+data prompts = jsonl("data.jsonl") { batch = 4 }
+data demos = jsonl("demos.jsonl") { batch = 4 }
+data pairs = jsonl("pairs.jsonl") { batch = 4 }
+data held = jsonl("held.jsonl")
+run { steps = 2, seed = 3 }
+eval held { data = held, at_start = true }
+stage sft { use sft(demos = demos) }
+stage rm  { use reward_model(pairs = pairs) }
+stage rl  { use grpo(reward = scored, group = 4, max_tokens = 3) }
+"""
+
+
+def test_a_pipeline_evaluates_in_the_stages_that_use_the_policy_and_flowrl_eval_finds_them(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from flowrl import backends
+    from flowrl.compiler import compile_any
+    from flowrl.dsl.stages import Pipeline
+    from flowrl.runtime.pipeline import run_pipeline
+
+    write(tmp_path)
+    rows = [json.loads(line) for line in (tmp_path / "data.jsonl").read_text().splitlines()]
+    (tmp_path / "demos.jsonl").write_text("".join(json.dumps({"prompt": r["prompt"], "response": str(r["answer"])})
+                                                  + "\n" for r in rows))
+    (tmp_path / "pairs.jsonl").write_text("".join(json.dumps({"prompt": r["prompt"], "chosen": str(r["answer"]),
+                                                              "rejected": "9"}) + "\n" for r in rows))
+    (tmp_path / "staged.flow").write_text(STAGED)
+    pipe = compile_any(str(tmp_path / "staged.flow"))
+    assert isinstance(pipe, Pipeline)
+    got = run_pipeline(pipe, out_dir=tmp_path / "out", backend=lambda stage: backends.make("local")).metrics
+    held = [(r["stage"], r["stage_step"], r["step"]) for r in got if "eval/held/mean@1" in r]
+    assert held == [("sft", 0, 0), ("sft", 2, 2), ("rl", 0, 4), ("rl", 2, 6)]  # none in rm: the policy is as it was
+    by = {(r["stage"], r["stage_step"]): evals(r) for r in got if "eval/held/mean@1" in r}
+    assert by[("rl", 0)] == by[("sft", 2)]  # greedy, and rl starts from sft's weights
+    out, data = str(tmp_path / "out"), str(tmp_path / "held.jsonl")
+    assert flowrl_eval(capsys, out, "--data", data) == {**by[("rl", 2)], "rows": 6, "step": 6, "stage": "rl"}
+    assert flowrl_eval(capsys, out, "--data", data, "--step", "2") == {**by[("sft", 2)], "rows": 6, "step": 2,
+                                                                       "stage": "sft"}
