@@ -161,12 +161,13 @@ def test_a_resumed_run_evaluates_as_an_uninterrupted_one(tmp_path: Path) -> None
      "error: --reward: cannot resolve reward \"evalreward.nope\": module 'evalreward' has no attribute 'nope'\n"
      "hint: a registered reward (arith_exact, math_equal, ...) or a dotted path to a Python function, `module.fn`\n"),
     (["{out}", "--n", "0"], "error: eval: --n must be at least 1, got 0\n"),
-], ids=["run_dir", "step", "not_a_policy", "model", "reward", "n"])
+    (["{out}", "--init", "--data", "{out}/none.jsonl"], "error: eval: data file not found: {out}/none.jsonl\n"),
+], ids=["run_dir", "step", "not_a_policy", "model", "reward", "n", "data"])
 def test_flowrl_eval_says_what_is_wrong_without_a_traceback(
         args: tuple[list[str], str], evaluated_run: Path, capsys: pytest.CaptureFixture[str]) -> None:
     argv, want = args
     out = str(evaluated_run / "out")
-    code = cli.main(["eval", *(a.format(out=out) for a in argv), "--data", str(evaluated_run / "held.jsonl")])
+    code = cli.main(["eval", "--data", str(evaluated_run / "held.jsonl"), *(a.format(out=out) for a in argv)])
     assert (code, capsys.readouterr().err) == (1, want.format(out=out))
 
 
@@ -196,9 +197,10 @@ def local_rows(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]
     return flowrl.run(write(folder), out_dir=folder / "out").metrics
 
 
-@pytest.fixture
-def ray_slots(request: pytest.FixtureRequest) -> Iterator[None]:
-    """A local Ray instance with device slots (the serverless backend), started by the Ray cases only."""
+@pytest.fixture(scope="module")
+def ray_slots() -> Iterator[None]:
+    """A local Ray instance with device slots (the serverless backend), started by the Ray cases only, once (or the
+    session's, tests/ray/conftest.py, when it runs first)."""
     import logging
     import os
 
