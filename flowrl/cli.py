@@ -106,7 +106,7 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--n", type=int, default=None, metavar="K", help="answers per prompt (default 1, or the eval block's)")
     c.add_argument("--temperature", type=float, default=None, metavar="T", help="0 answers greedily (the default)")
     c.add_argument("--max-tokens", type=int, default=None, metavar="M", help="default: the flow's generate's")
-    c.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
+    c.add_argument("--device", default=None, help="auto, cpu, cuda or cuda:N (default: the run's device)")
     c.add_argument("--json", action="store_true", help="print one JSON object")
     c.add_argument("--samples", default=None, metavar="OUT.jsonl", help="write every answer with its reward")
 

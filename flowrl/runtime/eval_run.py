@@ -27,6 +27,7 @@ from flowrl import registry
 from flowrl.data.tables import read_data
 from flowrl.errors import DataError, Diagnostic, FlowError, Loc
 from flowrl.ir.graph import ModelDecl, RewardDecl, frozen
+from flowrl.models.sources import device_problem
 from flowrl.runtime.batch import Batch
 from flowrl.runtime.evaluation import (
     EvalSpec,
@@ -100,14 +101,19 @@ class Evaluated:
 def evaluate(run_dir: str | Path, *, data: str | Path, reward: str | None = None, step: int | None = None,
              model: str | None = None, n: int | None = None, temperature: float | None = None,
              max_tokens: int | None = None, init: bool = False, samples: str | Path | None = None,
-             device: str = "cpu") -> Evaluated:
+             device: str | None = None) -> Evaluated:
     """Evaluate `run_dir`'s `model` (default: the policy it evaluates or generates with) at checkpoint `step`
     (default: the last; `init`: the step-0 weights) on `data` (JSONL, parquet or a datasets directory), scored by
-    `reward` (a registered name or `module.fn`); every sample with its reward to `samples` (JSONL) when given."""
+    `reward` (a registered name or `module.fn`); every sample with its reward to `samples` (JSONL) when given.
+    `device`: default the run's (`run { device }`, `auto`: CUDA where there is one)."""
     for flag, value, least in (("--n", n, 1), ("--max-tokens", max_tokens, 1), ("--temperature", temperature, 0),
                                ("--step", step, 0)):
         if value is not None and value < least:
             raise FlowError(Diagnostic(f"eval: {flag} must be at least {least}, got {value}"))
+    if device is not None and device_problem(device) is not None:
+        problem = device_problem(device)
+        assert problem is not None
+        raise FlowError(Diagnostic(f"eval: --device: {problem[0]}", hint="auto, cpu, cuda or cuda:N"))
     where = _RunDir.open(Path(run_dir), model, 0 if init else step)
     g, decls, name = where.graph, where.models, where.model
     path = os.path.realpath(str(data))
@@ -133,7 +139,7 @@ def evaluate(run_dir: str | Path, *, data: str | Path, reward: str | None = None
     with _importable(folder, g.get("imports", [])):
         scorer = make_scorer(reward_decl, imports=tuple(g.get("imports", [])), folder=folder)
     try:
-        policy = PolicyEval(decls, name, seed=where.seed, device=device)
+        policy = PolicyEval(decls, name, seed=where.seed, device=device or where.device)
         policy.load(where.weights)
         got = policy.evaluate(rows, spec, scorer, seed=where.seed, step=where.run_step, prompt_key=prompt_key,
                               reward_target=reward_decl.target if reward_decl.kind == "python" else "")
@@ -172,6 +178,7 @@ class _RunDir:
     step: int  # as reported (pipeline-wide in a pipeline)
     run_step: int  # the stage's own step (what the stage's eval seeds were keyed by)
     stage: str | None = None
+    device: str = "auto"  # the device the run ran on
 
     @staticmethod
     def open(path: Path, model: str | None, step: int | None) -> _RunDir:
@@ -219,9 +226,10 @@ class _RunDir:
         settings = json.loads((path / "run.json").read_text(encoding="utf-8")) if (path / "run.json").is_file() \
             else {}
         seed = int(settings.get("seed", g.get("run", {}).get("seed", 0)))
+        device = str(settings.get("device", g.get("run", {}).get("device", "auto")))
         decls = model_decls(g)
         if step == 0:
-            return _RunDir(path, g, decls, name, seed, None, None, 0, 0, stage)
+            return _RunDir(path, g, decls, name, seed, None, None, 0, 0, stage, device)
         found = sorted((path / CKPT_DIR).glob("step_*.pt"))
         if not found:
             raise FlowError(Diagnostic(f"eval: {path} has no checkpoint",
@@ -235,7 +243,7 @@ class _RunDir:
         if weights is None:
             raise FlowError(Diagnostic(f"eval: {ckpt} holds no model `{name}`"))
         at = steps[found.index(ckpt)]
-        return _RunDir(path, g, decls, name, seed, weights, ckpt, at + offset, at, stage)
+        return _RunDir(path, g, decls, name, seed, weights, ckpt, at + offset, at, stage, device)
 
 
 def _trained_weights(ckpt: Path, g: Mapping[str, Any], name: str) -> dict[str, torch.Tensor] | None:
