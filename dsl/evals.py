@@ -13,6 +13,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from flowrl.ir.graph import DataDecl, EvalDecl, ModelDecl, Node, RewardDecl, Value
+from flowrl.ir.signatures import TINY_SOURCES
+from flowrl.models.sources import hf_positions, tiny_tokenizer
 
 from . import ast
 from .diagnostics import Reporter, Source, did_you_mean
@@ -34,6 +36,7 @@ class EvalContext:
     nodes: Sequence[Node]
     run: Mapping[str, Value]
     max_tokens: Mapping[str, int] = field(default_factory=dict)  # model -> a generate's max_tokens elsewhere
+    prompts: Mapping[str, Sequence[str]] = field(default_factory=dict)  # data name -> its prompts (after `limit`)
 
 
 def generate_max_tokens(nodes: Sequence[Node]) -> dict[str, int]:
@@ -124,6 +127,8 @@ def _lower_one(rep: Reporter, src: Source, d: ast.EvalDecl, ctx: EvalContext, en
             ok = False
             rep.error(src, f"eval `{name}` needs `max_tokens`: nothing generates with `{model}` to take it from",
                       d.name, hint="add `max_tokens = N` to the eval block")
+    if ok and model is not None and data is not None and isinstance(max_tokens, int):
+        ok = _fits(rep, src, d, entries.get("max_tokens"), ctx, model, data, max_tokens)
     every = values.get("every")
     if every is None:
         every = ctx.run.get("checkpoint_every", 0)
@@ -171,3 +176,28 @@ def _model(rep: Reporter, src: Source, d: ast.EvalDecl, entries: Block, ctx: Eva
                   hint="an evaluation generates answers: name the policy")
         return None
     return model
+
+
+def _fits(rep: Reporter, src: Source, d: ast.EvalDecl, at: Entry | None, ctx: EvalContext, model: str, data: str,
+          max_tokens: int) -> bool:
+    """The longest prompt of `data` and `max_tokens` within the model's positions (as a generate is checked: a
+    prompt would otherwise lose its opening to make room)."""
+    decls = {m.name: m for m in ctx.models}
+    root = decls[model]
+    while root.source_model is not None and root.source_model in decls:
+        root = decls[root.source_model]
+    if root.source in TINY_SOURCES:
+        tok = tiny_tokenizer(root.config)
+        context = root.config.get("context")
+        longest = max((len(tok.encode(p)) for p in ctx.prompts.get(data, ())), default=0) + (tok.bos_id is not None)
+    else:
+        context, longest = hf_positions(root.source[3:]), 1
+    if not isinstance(context, int) or longest + max_tokens <= context:
+        return True
+    where: ast.Located = at.entry.value if at is not None else d.name
+    rep.error(at.src if at is not None else src,
+              f"eval `{d.name.name}`: `max_tokens = {max_tokens}` and the longest prompt of `{data}` ({longest} "
+              f"tokens) need {longest + max_tokens} positions; model `{root.name}` has {context}", where,
+              hint=f"`max_tokens` can be at most {context - longest} here" if context > longest else
+              f"the prompts alone fill the positions: give `{root.name}` more (`context = {longest + max_tokens}`)")
+    return False

@@ -139,7 +139,7 @@ class _Lowering:
                 self.rep.warn(self.src, f"reward `{name}` is not used: the scores are the environment's alone",
                               unused.name, hint=f"to grade trajectories with it, pass it: `reward = {name}`")
         evals = lower_evals(self.rep, self.src, [d for d in self.module.decls if isinstance(d, ast.EvalDecl)],
-                            EvalContext(models, rewards, data, nodes, run, self.generated),
+                            EvalContext(models, rewards, data, nodes, run, self.generated, self._prompts),
                             lambda entries: self._block(entries, (), ovr, EVAL_KEYS, "eval"),
                             lambda block: self._filled(block, EVAL_KEYS, "eval"))
         if not self.rep.diagnostics:  # checks across declarations and nodes, on a flow that is right so far

@@ -159,3 +159,12 @@ def test_an_eval_in_a_stage_that_trains_on_its_data_is_an_error(tmp_path: Path) 
                                              "step trains on"
     else:
         raise AssertionError("compiled")
+
+
+def test_answers_that_cannot_fit_the_models_positions_are_a_located_error(compile_error: Callable[..., str]) -> None:
+    assert compile_error(HEAD + "eval held { data = held, max_tokens = 600 }\n") == (
+        "t.flow:8:39: error: eval `held`: `max_tokens = 600` and the longest prompt of `held` (5 tokens) need 605 "
+        "positions; model `actor` has 512\n"
+        "    eval held { data = held, max_tokens = 600 }\n"
+        "                                          ^^^\n"
+        "hint: `max_tokens` can be at most 507 here")
