@@ -21,7 +21,7 @@ from .diagnostics import Reporter, Source, did_you_mean
 from .keys import Entry
 
 Block = dict[str, Entry]
-BlockFn = Callable[[Sequence[ast.Entry]], Block]  # the entries by key, unknown and repeated keys reported
+BlockFn = Callable[[ast.EvalDecl], Block]  # its entries (and overrides) by key, unknown and repeated keys reported
 FilledFn = Callable[[Block], dict[str, Value]]  # each key's checked value, or its default
 
 
@@ -86,7 +86,7 @@ def lower_evals(rep: Reporter, src: Source, decls: Sequence[ast.EvalDecl], ctx: 
                       hint=f"`{name}` is first declared on line {first[name].line}; eval names must be unique")
             continue
         first[name] = d
-        resolved = _lower_one(rep, src, d, ctx, block(d.entries), filled)
+        resolved = _lower_one(rep, src, d, ctx, block(d), filled)
         if resolved is not None:
             out.append(resolved)
     return out

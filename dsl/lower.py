@@ -79,17 +79,19 @@ def _importable(folder: str) -> Iterator[None]:
 
 
 def lower(module: ast.Module, overrides: Mapping[str, str] | None = None, *,
-          generated: Mapping[str, int] | None = None) -> Graph:
-    """Lower a parsed flow to a Graph; raises FlowError listing every problem found. `generated`: a pipeline's
-    policies' generate `max_tokens` in any stage, the default of an `eval` in a stage that generates nothing."""
-    return _Lowering(module, overrides, generated).run()
+          generated: Mapping[str, int] | None = None, evals: Sequence[str] = ()) -> Graph:
+    """Lower a parsed flow to a Graph; raises FlowError listing every problem found. A pipeline's stage also gets
+    `generated` (its policies' generate `max_tokens` in any stage: the default of an `eval` in a stage that
+    generates nothing) and `evals` (every stage's eval names, which `eval.NAME.KEY` overrides may name)."""
+    return _Lowering(module, overrides, generated, evals).run()
 
 
 class _Lowering:
     def __init__(self, module: ast.Module, overrides: Mapping[str, str] | None,
-                 generated: Mapping[str, int] | None = None) -> None:
+                 generated: Mapping[str, int] | None = None, evals: Sequence[str] = ()) -> None:
         self.module = module
         self.generated = dict(generated or {})
+        self.all_evals = list(evals)
         self.src = Source(module.path, module.text)
         self.rep = Reporter()
         self.folder = flow_folder(module.path)
@@ -105,7 +107,8 @@ class _Lowering:
         iterations = [d for d in self.module.decls if isinstance(d, (ast.UseDecl, ast.StepDecl))]
         ovr = parse_overrides(self.overrides, [d.name.name for d in models_ast], [d.name.name for d in data_ast],
                               any(isinstance(d, ast.UseDecl) for d in iterations), self.rep,
-                              rewards=[d.name.name for d in rewards_ast], envs=[d.name.name for d in envs_ast])
+                              rewards=[d.name.name for d in rewards_ast], envs=[d.name.name for d in envs_ast],
+                              evals=self._eval_names())
         with _importable(self.folder):
             imports = self._imports()
             self._ovr = ovr
@@ -140,7 +143,7 @@ class _Lowering:
                               unused.name, hint=f"to grade trajectories with it, pass it: `reward = {name}`")
         evals = lower_evals(self.rep, self.src, [d for d in self.module.decls if isinstance(d, ast.EvalDecl)],
                             EvalContext(models, rewards, data, nodes, run, self.generated, self._prompts),
-                            lambda entries: self._block(entries, (), ovr, EVAL_KEYS, "eval"),
+                            lambda d: self._block(d.entries, ovr.evals.get(d.name.name, ()), ovr, EVAL_KEYS, "eval"),
                             lambda block: self._filled(block, EVAL_KEYS, "eval"))
         if not self.rep.diagnostics:  # checks across declarations and nodes, on a flow that is right so far
             check_flow(self.rep, Flow(self.src, models, self._model_blocks, data,
@@ -156,6 +159,12 @@ class _Lowering:
             rewards=tuple(rewards), data=tuple(data), run=frozen(run), pools=pools, worker_groups=groups,
             imports=tuple(imports), template=template, warnings=tuple(self.rep.warnings), evals=tuple(evals),
         )
+
+    def _eval_names(self) -> list[str]:
+        """The `eval` blocks `eval.NAME.KEY` overrides may name: this flow's, and (a stage of a pipeline) every
+        stage's, so an override of one stage's eval is no error in the others."""
+        names = [d.name.name for d in self.module.decls if isinstance(d, ast.EvalDecl)]
+        return names + [n for n in self.all_evals if n not in names]
 
     # ---- names ----------------------------------------------------------------------------------
 

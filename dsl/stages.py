@@ -87,7 +87,8 @@ def lower_pipeline(module: ast.Module, overrides: Mapping[str, str] | None = Non
     stages = _stages(module, src, rep)
     per_stage = _split_overrides(overrides or {}, stages, rep)
     rep.check(module.path)
-    wholes = {d.name.name: _lower_whole(module, d, per_stage[d.name.name], rep) for d in stages}
+    names = _eval_names(module)
+    wholes = {d.name.name: _lower_whole(module, d, per_stage[d.name.name], rep, names) for d in stages}
     generated: dict[str, int] = {}  # each policy's generate max_tokens in any stage: an eval's default elsewhere
     for whole in wholes.values():
         for model, tokens in generate_max_tokens(whole.nodes if whole is not None else ()).items():
@@ -96,7 +97,7 @@ def lower_pipeline(module: ast.Module, overrides: Mapping[str, str] | None = Non
     for decl in stages:
         whole = wholes[decl.name.name]
         graph = None if whole is None else _lower_stage(module, decl, whole, per_stage[decl.name.name], rep,
-                                                        generated)
+                                                        generated, names)
         if graph is not None:
             out.append(Stage(decl.name.name, graph, src.loc(decl.name)))
     if not rep.diagnostics:
@@ -183,27 +184,33 @@ def _split_overrides(overrides: Mapping[str, str], stages: Sequence[ast.StageDec
 # ---- one stage ----------------------------------------------------------------------------------------
 
 
+def _eval_names(module: ast.Module) -> list[str]:
+    """Every `eval` block's name, top-level and in stages."""
+    stages = [i for d in module.decls if isinstance(d, ast.StageDecl) for i in d.items]
+    return list(dict.fromkeys(e.name.name for e in [*module.decls, *stages] if isinstance(e, ast.EvalDecl)))
+
+
 def _lower_whole(module: ast.Module, stage: ast.StageDecl, overrides: Mapping[str, str],
-                 rep: Reporter) -> Graph | None:
+                 rep: Reporter, evals: Sequence[str]) -> Graph | None:
     """The stage lowered with every model and no `eval` (what it uses); None after adding its problems to `rep`."""
     try:
-        return lower(_stage_module(module, stage, None, ()), overrides)
+        return lower(_stage_module(module, stage, None, ()), overrides, evals=evals)
     except FlowError as e:
         rep.extend(e.diagnostics)  # the same problem found in several stages is reported once
         return None
 
 
 def _lower_stage(module: ast.Module, stage: ast.StageDecl, whole: Graph, overrides: Mapping[str, str],
-                 rep: Reporter, generated: Mapping[str, int]) -> Graph | None:
+                 rep: Reporter, generated: Mapping[str, int], evals: Sequence[str]) -> Graph | None:
     """The stage's graph with only the models it needs and its evaluations; None after adding its problems to
     `rep`. A top-level `eval` applies to the stages whose step uses its model (a stage training only a reward
     model leaves the policy as it was); a stage's own `eval` blocks apply to it, one of the same name in its place."""
-    evals = _stage_evals(module, stage, whole)
-    keep = _needed(whole) | {m for e in evals if (m := _named_model(e)) in {d.name for d in whole.models}}
+    own = _stage_evals(module, stage, whole)
+    keep = _needed(whole) | {m for e in own if (m := _named_model(e)) in {d.name for d in whole.models}}
     dropped = {m.name for m in whole.models} - keep
     kept_overrides = {k: v for k, v in overrides.items() if k.split(".", 1)[0] not in dropped}
     try:
-        return verify(lower(_stage_module(module, stage, keep, evals), kept_overrides, generated=generated))
+        return verify(lower(_stage_module(module, stage, keep, own), kept_overrides, generated=generated, evals=evals))
     except FlowError as e:
         rep.extend(e.diagnostics)
         return None

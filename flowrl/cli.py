@@ -80,8 +80,8 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--seed", type=int, default=None)
     c.add_argument("--device", default=None, help="auto | cpu | cuda (default: run { device })")
     c.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override MODEL.KEY, DATA.KEY, REWARD.KEY, run.KEY or use.PARAM; in a flow with stages "
-                        "also stage.NAME.KEY (a run key of one stage) or stage.NAME.use.PARAM")
+                   help="override MODEL.KEY, DATA.KEY, REWARD.KEY, run.KEY, use.PARAM or eval.NAME.KEY; in a flow "
+                        "with stages also stage.NAME.KEY (a run key of one stage) or stage.NAME.use.PARAM")
     c.add_argument("--out", default=None, metavar="DIR", help="run directory (default runs/<flow>)")
     c.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --out")
     c.add_argument("--overwrite", action="store_true", help="replace a run already in --out")

@@ -146,6 +146,9 @@ def test_a_top_level_eval_applies_to_the_stages_using_its_model_and_a_stages_own
     evals = {s.name: [(e.name, e.n, e.max_tokens, e.at_start) for e in s.graph.evals] for s in pipe.stages}
     # sft generates nothing: max_tokens from the rl stage's generate; rm trains only the reward model: no eval there
     assert evals == {"sft": [("held", 1, 3, True)], "rm": [], "rl": [("held", 2, 3, False)]}
+    pipe = compile_any(str(tmp_path / "staged.flow"), {"eval.held.n": "4"})  # every stage's `held`
+    assert isinstance(pipe, Pipeline)
+    assert [[e.n for e in s.graph.evals] for s in pipe.stages] == [[4], [], [4]]
 
 
 def test_an_eval_in_a_stage_that_trains_on_its_data_is_an_error(tmp_path: Path) -> None:
@@ -168,3 +171,25 @@ def test_answers_that_cannot_fit_the_models_positions_are_a_located_error(compil
         "    eval held { data = held, max_tokens = 600 }\n"
         "                                          ^^^\n"
         "hint: `max_tokens` can be at most 507 here")
+
+
+def test_set_overrides_an_eval_blocks_keys(compile_ok: Callable[..., Graph], compile_error: Callable[..., str]) -> None:
+    g = compile_ok(HEAD + "eval held { data = held }\n", {"eval.held.n": "8", "eval.held.every": "0"})
+    assert (g.evals[0].n, g.evals[0].every) == (8, 0)
+    assert compile_error(HEAD + "eval held { data = held }\n",
+                         {"eval.hed.n": "8", "eval.held.nn": "2", "eval.held": "3", "eval.held.n": "0"}) == (
+        "<overrides>:1:6: error: override `eval.hed.n`: no eval named `hed`\n"
+        "    eval.hed.n=8\n"
+        "         ^^^\n"
+        "hint: did you mean `held`?\n"
+        "<overrides>:2:11: error: unknown eval key `nn`\n"
+        "    eval.held.nn=2\n"
+        "              ^^\n"
+        "hint: did you mean `n`?\n"
+        "<overrides>:3:1: error: override `eval.held` must be eval.NAME.KEY\n"
+        "    eval.held=3\n"
+        "    ^^^^^^^^^\n"
+        "hint: for example `eval.held.n=8`\n"
+        "<overrides>:4:13: error: `n` must be at least 1\n"
+        "    eval.held.n=0\n"
+        "                ^")
