@@ -134,9 +134,9 @@ def evaluate(run_dir: str | Path, *, data: str | Path, reward: str | None = None
         gen["attrs"].get("env") if gen is not None and isinstance(gen["attrs"].get("env"), Mapping) else None,
         int(gen["attrs"].get("max_total", 0) or 0) if gen is not None else 0,
     )
-    reward_decl = _reward(g, reward, block)
     folder = os.path.dirname(os.path.abspath(str(g.get("path") or "."))) if g.get("path") else "."
-    with _importable(folder, g.get("imports", [])):
+    with _importable(folder, g.get("imports", [])):  # a reward next to the flow, or one its imports register
+        reward_decl = _reward(g, reward, block)
         scorer = make_scorer(reward_decl, imports=tuple(g.get("imports", [])), folder=folder)
     try:
         policy = PolicyEval(decls, name, seed=where.seed, device=device or where.device)
