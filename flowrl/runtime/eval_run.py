@@ -4,8 +4,9 @@ the run the way an `eval` block evaluates inside it (flowrl.runtime.evaluation: 
 Everything comes from the run directory: run.json (the seed), graph.json (the models as they ran, `--set` overrides
 applied; the flow's `eval` blocks, generate and rewards, which give the defaults) and checkpoints/. Where the data
 file is an `eval` block's data set, that block's name, `n`, `temperature`, `max_tokens`, reward, `prompt_key` and
-`limit` are the defaults, so `flowrl eval RUN --init --data FILE` gives a step-0 evaluation's numbers exactly;
-otherwise the flow's generate gives `max_tokens`, its reward the reward, and `n = 1`, `temperature = 0`. A pipeline's
+`limit` are the defaults, so `flowrl eval RUN --init --data FILE` gives a step-0 evaluation's numbers exactly; for
+another file the model's first `eval` block gives them (but `prompt_key` and `limit`); without one the flow's
+generate gives `max_tokens`, its reward the reward, and `n = 1`, `temperature = 0`. A pipeline's
 run directory evaluates the last stage whose step uses the model (OUT/stages/NAME), or with `step` the stage that
 holds that pipeline-wide step. `PolicyEval` is the piece under it: one model of a flow rebuilt here, answering.
 """
@@ -117,9 +118,11 @@ def evaluate(run_dir: str | Path, *, data: str | Path, reward: str | None = None
     where = _RunDir.open(Path(run_dir), model, 0 if init else step)
     g, decls, name = where.graph, where.models, where.model
     path = os.path.realpath(str(data))
-    block = next((e for e in g.get("evals", []) if e["model"] == name and any(
-        d["name"] == e["data"] and os.path.realpath(d["path"]) == path for d in g.get("data", []))), None)
-    decl = next((d for d in g.get("data", []) if block is not None and d["name"] == block["data"]), None)
+    mine = [e for e in g.get("evals", []) if e["model"] == name]
+    matched = next((e for e in mine if any(d["name"] == e["data"] and os.path.realpath(d["path"]) == path
+                                           for d in g.get("data", []))), None)
+    block = matched or next(iter(mine), None)  # the eval block of this data set, else the model's first
+    decl = next((d for d in g.get("data", []) if matched is not None and d["name"] == matched["data"]), None)
     options: dict[str, Any] = dict(decl["options"]) if decl is not None else {}
     prompt_key = str(options.get("prompt_key", "prompt"))
     rows = _rows(Path(data), prompt_key)

@@ -152,6 +152,8 @@ def test_flowrl_eval_gives_the_runs_own_numbers_at_step_0_and_at_a_checkpoint(
     assert set(greedy) == {"mean@1", "pass@1", "response_len_mean", "low/mean@1", "low/pass@1",
                            "low/response_len_mean", "high/mean@1", "high/pass@1", "high/response_len_mean", "rows",
                            "step"}
+    other = flowrl_eval(capsys, out, "--data", str(folder / "data.jsonl"))  # another file: the block's n and so on
+    assert (other["rows"], other["step"], "mean@4" in other, "maj@4" in other) == (16, 3, True, True)
     api = flowrl.evaluate(out, data=data, init=True)
     assert api.metrics == {k: v for k, v in init.items() if k not in ("rows", "step")} and len(api.samples) == 24
 
