@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 import time
 from collections.abc import Callable, Mapping
 from contextlib import nullcontext
@@ -19,6 +20,7 @@ from typing import Any
 import torch
 
 from flowrl.data.jsonl import PromptLoader, split_held_out
+from flowrl.data.paths import columns_of, with_columns
 from flowrl.data.tables import read_data
 from flowrl.errors import Diagnostic, FlowError
 from flowrl.ir.graph import Graph
@@ -26,6 +28,7 @@ from flowrl.ir.printer import to_json_text, to_text
 from flowrl.runtime import carry, cost, interrupt, report
 from flowrl.runtime.ahead import Ahead, async_node
 from flowrl.runtime.controller import Controller, Span
+from flowrl.runtime.overlong import filter_overlong
 from flowrl.runtime.protocol import Backend, WorkerGroup
 from flowrl.runtime.scoring import Scorer, make_scorer
 
@@ -64,7 +67,8 @@ def loaders_of(graph: Graph, seed: int) -> dict[str, PromptLoader]:
         key = str(opts.get("prompt_key", "prompt"))
         rows = read_data(d.kind, d.path, key)
         limit = int(opts.get("limit", 0) or 0)
-        train, held = split_held_out(rows[:limit] if limit else rows, opts.get("held_out"), d.path)
+        rows = with_columns(rows[:limit] if limit else rows, columns_of(opts.get("columns")), d.path)
+        train, held = split_held_out(rows, opts.get("held_out"), d.path)
         loaders[d.name] = PromptLoader(train, int(opts.get("batch", 8)), bool(opts.get("shuffle", True)), seed, key,
                                        held_out=held)
     return loaders
@@ -94,6 +98,9 @@ def run(graph: Graph, *, out_dir: str | Path, backend: Backend, steps: int | Non
     (out / "graph.txt").write_text(to_text(graph), encoding="utf-8")
     (out / "graph.json").write_text(to_json_text(graph), encoding="utf-8")
     loaders = loaders_of(graph, seed)
+    overlong = filter_overlong(graph, loaders)  # said now and kept in run.json (verl's filter_overlong_prompts)
+    for left_out in overlong:
+        print(f"warning: {left_out.message()}", file=sys.stderr, flush=True)
     metrics_path, trace_path, lengths_path = out / "metrics.jsonl", out / "trace.json", out / "lengths.jsonl"
 
     be = backend
@@ -121,6 +128,8 @@ def run(graph: Graph, *, out_dir: str | Path, backend: Backend, steps: int | Non
             events = [e for e in report.load_trace(trace_path) if e.get("ph") == "X" and e["args"]["step"] <= start]
             t0 -= max((e["ts"] + e["dur"]) / 1e6 for e in events if e.get("ph") == "X") if events else 0.0
         about: dict[str, Any] = {"flow": graph.path, "backend": be.name, "seed": seed, "steps": total, "device": dev}
+        if overlong:
+            about["overlong_prompts"] = [o.to_json() for o in overlong]
         (out / "run.json").write_text(json.dumps(about, indent=2), encoding="utf-8")
         ctl = Controller(graph, groups, loaders, rewards, seed=seed, clock_start=t0, after_update=be.after_update)
         ctl.lengths.load_state_dict(kept.get("lengths", {}))
