@@ -213,3 +213,23 @@ def test_every_prompt_too_long_is_an_error_before_the_run(tmp_path: Path) -> Non
     assert info.value.render() == (
         "error: every prompt of data `train` is longer than the 220 tokens model `actor` leaves them (context 224, "
         "max_tokens 4; the shortest has 701)\nhint: lower `max_tokens`, or use a model with more positions")
+
+
+def test_paths_step_into_lists_and_name_what_a_row_holds() -> None:
+    from flowrl.data.paths import with_columns
+    from flowrl.errors import DataError
+
+    rows = verl_rows("test")[:2]
+    got = with_columns(rows, {"q": "prompt.0.content", "i": "extra_info.index"}, "t.parquet")
+    assert [(r["q"].split(" ")[0], r["i"]) for r in got] == [("Tom", 0), ("A", 1)]
+    assert got[0]["reward_model"] == rows[0]["reward_model"] and "q" not in rows[0]  # the rows read are left as they are
+    for path, shown in [("prompt.1.content", "t.parquet, row 1: no `prompt.1.content` (`prompt` is a list of 1)"),
+                        ("ability.kind", "t.parquet, row 1: no `ability.kind` (`ability` is str, not an object)")]:
+        with pytest.raises(DataError) as info:
+            with_columns(rows, {"x": path}, "t.parquet")
+        d = info.value.diagnostics[0]
+        assert f"{d.message} ({d.hint})" == shown
+    nulls = [{**rows[0], "reward_model": {"style": "rule", "ground_truth": None}}]
+    with pytest.raises(DataError) as info:
+        with_columns(nulls, {"answer": "reward_model.ground_truth"}, "t.parquet")
+    assert info.value.diagnostics[0].message == "t.parquet, row 1: `reward_model.ground_truth` is null"
