@@ -98,6 +98,7 @@ def run(graph: Graph, *, out_dir: str | Path, backend: Backend, steps: int | Non
     (out / "graph.txt").write_text(to_text(graph), encoding="utf-8")
     (out / "graph.json").write_text(to_json_text(graph), encoding="utf-8")
     loaders = loaders_of(graph, seed)
+    data_rows = sum(loaders[n.id].batch for n in graph.nodes if n.op == "data" and n.id in loaders)  # a step draws
     overlong = filter_overlong(graph, loaders)  # said now and kept in run.json (verl's filter_overlong_prompts)
     for left_out in overlong:
         print(f"warning: {left_out.message()}", file=sys.stderr, flush=True)
@@ -152,6 +153,8 @@ def run(graph: Graph, *, out_dir: str | Path, backend: Backend, steps: int | Non
             res = ahead.step(step) if ahead is not None else ctl.step(step)
             row: dict[str, Any] = {"step": step, **res.metrics, "step_time_s": time.perf_counter() - began}
             row["tokens_per_s"] = row.get("gen_tokens", 0.0) / max(row["step_time_s"], 1e-9)
+            if not row.get("gen_tokens") and data_rows:  # a step on data alone (SFT, RM, DPO): progress shows rows/s
+                row["data_rows"] = float(data_rows)
             row.update(be.metrics())
             used = be.usage()
             row.update(meter.step(res.spans, time.perf_counter(), used))
@@ -181,7 +184,7 @@ def run(graph: Graph, *, out_dir: str | Path, backend: Backend, steps: int | Non
         be.shutdown()
     metrics = report.read_metrics(metrics_path)
     if metrics:
-        report.plot_rewards(metrics, out / "reward.png", graph.flow)
+        report.plot_headline(metrics, out, graph.flow)
     # after the last step's row: reserved pools' teardown; an elastic backend's tasks (the final checkpoint,
     # released instances) and the devices its processes kept to the end
     tail = be.usage()
@@ -203,7 +206,7 @@ def _claim(out: Path, resume: bool, overwrite: bool) -> None:
                                        hint="continue it with --resume, replace it with --overwrite, "
                                             "or choose another --out"))
         shutil.rmtree(out / CKPT_DIR, ignore_errors=True)
-        for name in ("metrics.jsonl", "lengths.jsonl", "trace.json", "reward.png", "cost.json"):
+        for name in ("metrics.jsonl", "lengths.jsonl", "trace.json", *report.PLOTS.values(), "cost.json"):
             (out / name).unlink(missing_ok=True)
         shutil.rmtree(out / "tb", ignore_errors=True)
     out.mkdir(parents=True, exist_ok=True)
