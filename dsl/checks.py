@@ -196,16 +196,26 @@ def _check_generation(rep: Reporter, flow: Flow, node: Node) -> None:
     if isinstance(node.attrs.get("env"), Mapping):  # a trajectory's positions: check_env_generation
         return
     prompts = flow.prompts[data]
+    lengths: list[int] = []
     if root.source in TINY_SOURCES:
         context = root.config.get("context")
         tok = tiny_tokenizer(root.config)
-        longest = max((len(tok.encode(p)) for p in prompts), default=0) + (tok.bos_id is not None)
+        lengths = [len(tok.encode(p)) + (tok.bos_id is not None) for p in prompts]
+        longest = max(lengths, default=1)
         _check_charset(rep, flow, root, data, prompts)
     else:  # an hf: checkpoint: its positions from config.json; its tokenizer is not loaded to check
         context, longest = hf_positions(root.source[3:]), 1
     if not isinstance(context, int) or longest + max_tokens <= context:
         return
     src, where = flow.written[(node.id, "max_tokens")]
+    over = sum(n + max_tokens > context for n in lengths)
+    if over < len(lengths):  # some fit: the run leaves the others out (flowrl.runtime.overlong), as verl filters
+        rep.warn(src, f"`max_tokens = {max_tokens}` leaves the prompts of `{data}` {context - max_tokens} of model "
+                      f"`{root.name}`'s {context} positions: {over} of {len(lengths)} prompts are longer (the "
+                      f"longest has {longest} tokens with <bos>) and are left out of the run", where,
+                 hint=f"to keep them, give `{root.name}` more positions (`context = {longest + max_tokens}`) or "
+                      f"lower `max_tokens`")
+        return
     what = (f"the longest prompt of `{data}` ({longest} tokens with <bos>)" if root.source in TINY_SOURCES
             else "a prompt's first token")
     room = context - longest

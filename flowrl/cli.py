@@ -54,6 +54,8 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("files", nargs="+", metavar="FILE")
     c.add_argument("--backend", default=None, choices=backend_names(),
                    help="the backend it will run on: what the flow asks for and that backend can't do is a warning")
+    c.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a flow key, as `run` will (checked with the override applied)")
 
     c = verb("compile", "Compile a flow and print its graph (text, or JSON with --json).",
              "flowrl compile examples/grpo_arith.flow --json --no-pass share-prefix")
@@ -67,7 +69,7 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a flow key")
 
     c = verb("show", "Print a standard-library template's source.", "flowrl show grpo")
-    c.add_argument("name", metavar="NAME", nargs="?", help="template name (omit to list them)")
+    c.add_argument("name", metavar="NAME", nargs="?", help="template name (omit to list them, a line on each)")
 
     c = verb("run", "Train: run a flow for some steps and write a run directory.",
              "flowrl run examples/grpo_arith.flow --steps 60 --set actor.lr=3e-3 --out runs/grpo")
@@ -89,7 +91,7 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--no-pass", action="append", default=[], metavar="NAME", help="switch a pass off")
     c.add_argument("--pass", dest="with_pass", action="append", default=[], metavar="NAME",
                    help="switch on a pass that is off by default (score-tail)")
-    c.add_argument("--quiet", action="store_true", help="no progress bar")
+    c.add_argument("--quiet", action="store_true", help="no progress bar, nor the flow's opening comment")
     c.add_argument("--stage", default=None, metavar="NAME",
                    help="a flow with stages: run only this one, from the earlier stages' models saved in --out")
 
@@ -147,14 +149,14 @@ def _explain(graph: Graph) -> str:
 
 def cmd_check(args: argparse.Namespace) -> int:
     from flowrl import cli_stages
-    from flowrl.compiler import optimize
+    from flowrl.compiler import optimize, parse_sets
     from flowrl.dsl import load_any
     from flowrl.dsl.stages import Pipeline
 
-    failed = 0
+    failed, sets = 0, parse_sets(args.set)
     for f in args.files:
         try:
-            graph = load_any(f)
+            graph = load_any(f, sets)
         except FlowError as e:
             print(e.render(), file=sys.stderr)
             failed += 1
@@ -242,10 +244,11 @@ def cmd_compile(args: argparse.Namespace) -> int:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    from flowrl.dsl import stdlib_names, template_source
+    from flowrl.dsl import stdlib_names, template_source, template_summary
 
-    if not args.name:
-        print("\n".join(stdlib_names()))
+    if not args.name:  # a line on each, from its file's opening comment
+        width = max(map(len, stdlib_names()), default=0)
+        print("\n".join(f"{n:<{width}}  {template_summary(n)}".rstrip() for n in stdlib_names()))
         return 0
     if args.name not in stdlib_names():
         raise FlowError(f"no standard template named '{args.name}' (templates: {', '.join(stdlib_names())})")
@@ -267,6 +270,8 @@ def cmd_run(args: argparse.Namespace) -> int:
             raise FlowError(Diagnostic(f"{flag} must be at least {least}, got {value}"))
 
     graph = compile_args(args)
+    if not args.quiet:  # what the flow says to expect of it (its opening comment), before the first step
+        _say_what_to_expect(args.file)
     if isinstance(graph, Pipeline) and args.steps is not None:  # every stage's steps, as --set run.steps would
         graph = compile_args(args, {"run.steps": str(args.steps)})
     out = Path(args.out or Path("runs") / graph.flow)
@@ -307,6 +312,14 @@ def cmd_run(args: argparse.Namespace) -> int:
 
         print(table(result.cost))
     return 0
+
+
+def _say_what_to_expect(path: str) -> None:
+    from flowrl.dsl import leading_comment
+
+    lines = leading_comment(Path(path).read_text(encoding="utf-8"))
+    if lines:
+        print("\n".join(f"# {line}".rstrip() for line in lines), file=sys.stderr, flush=True)
 
 
 def cmd_viz(args: argparse.Namespace) -> int:

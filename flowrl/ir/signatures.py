@@ -281,6 +281,9 @@ DATA_KEYS: dict[str, tuple[str, Value]] = {
     "prompt_key": ("str", "prompt"),
     "limit": ("int", 0),  # use only the first N rows (0 = all)
     "held_out": ("str", None),  # a bool column: its true rows are never trained on, only evaluated (none: no column)
+    # "NAME = PATH" strings (one, or a list): each row gets keyword NAME read from the dotted PATH of its nested
+    # columns (`answer = reward_model.ground_truth`, verl's layout; flowrl.data.paths); none: the rows as they are
+    "columns": ("any", None),
 }
 
 SANDBOX = ("auto", "strict")  # code_tests: the best isolation here (warned when degraded), or refuse without it

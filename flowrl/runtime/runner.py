@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 import time
 from collections.abc import Callable, Mapping
 from contextlib import nullcontext
@@ -19,6 +20,7 @@ from typing import Any
 import torch
 
 from flowrl.data.jsonl import PromptLoader, split_held_out
+from flowrl.data.paths import columns_of, with_columns
 from flowrl.data.tables import read_data
 from flowrl.errors import Diagnostic, FlowError
 from flowrl.ir.graph import Graph
@@ -26,6 +28,7 @@ from flowrl.ir.printer import to_json_text, to_text
 from flowrl.runtime import carry, cost, interrupt, report
 from flowrl.runtime.ahead import Ahead, async_node
 from flowrl.runtime.controller import Controller, Span
+from flowrl.runtime.overlong import filter_overlong
 from flowrl.runtime.protocol import Backend, WorkerGroup
 from flowrl.runtime.scoring import Scorer, make_scorer
 
@@ -64,7 +67,8 @@ def loaders_of(graph: Graph, seed: int) -> dict[str, PromptLoader]:
         key = str(opts.get("prompt_key", "prompt"))
         rows = read_data(d.kind, d.path, key)
         limit = int(opts.get("limit", 0) or 0)
-        train, held = split_held_out(rows[:limit] if limit else rows, opts.get("held_out"), d.path)
+        rows = with_columns(rows[:limit] if limit else rows, columns_of(opts.get("columns")), d.path)
+        train, held = split_held_out(rows, opts.get("held_out"), d.path)
         loaders[d.name] = PromptLoader(train, int(opts.get("batch", 8)), bool(opts.get("shuffle", True)), seed, key,
                                        held_out=held)
     return loaders
@@ -94,6 +98,10 @@ def run(graph: Graph, *, out_dir: str | Path, backend: Backend, steps: int | Non
     (out / "graph.txt").write_text(to_text(graph), encoding="utf-8")
     (out / "graph.json").write_text(to_json_text(graph), encoding="utf-8")
     loaders = loaders_of(graph, seed)
+    data_rows = sum(loaders[n.id].batch for n in graph.nodes if n.op == "data" and n.id in loaders)  # a step draws
+    overlong = filter_overlong(graph, loaders)  # said now and kept in run.json (verl's filter_overlong_prompts)
+    for left_out in overlong:
+        print(f"warning: {left_out.message()}", file=sys.stderr, flush=True)
     metrics_path, trace_path, lengths_path = out / "metrics.jsonl", out / "trace.json", out / "lengths.jsonl"
 
     be = backend
@@ -121,6 +129,8 @@ def run(graph: Graph, *, out_dir: str | Path, backend: Backend, steps: int | Non
             events = [e for e in report.load_trace(trace_path) if e.get("ph") == "X" and e["args"]["step"] <= start]
             t0 -= max((e["ts"] + e["dur"]) / 1e6 for e in events if e.get("ph") == "X") if events else 0.0
         about: dict[str, Any] = {"flow": graph.path, "backend": be.name, "seed": seed, "steps": total, "device": dev}
+        if overlong:
+            about["overlong_prompts"] = [o.to_json() for o in overlong]
         (out / "run.json").write_text(json.dumps(about, indent=2), encoding="utf-8")
         ctl = Controller(graph, groups, loaders, rewards, seed=seed, clock_start=t0, after_update=be.after_update)
         ctl.lengths.load_state_dict(kept.get("lengths", {}))
@@ -143,6 +153,8 @@ def run(graph: Graph, *, out_dir: str | Path, backend: Backend, steps: int | Non
             res = ahead.step(step) if ahead is not None else ctl.step(step)
             row: dict[str, Any] = {"step": step, **res.metrics, "step_time_s": time.perf_counter() - began}
             row["tokens_per_s"] = row.get("gen_tokens", 0.0) / max(row["step_time_s"], 1e-9)
+            if not row.get("gen_tokens") and data_rows:  # a step on data alone (SFT, RM, DPO): progress shows rows/s
+                row["data_rows"] = float(data_rows)
             row.update(be.metrics())
             used = be.usage()
             row.update(meter.step(res.spans, time.perf_counter(), used))
@@ -172,7 +184,7 @@ def run(graph: Graph, *, out_dir: str | Path, backend: Backend, steps: int | Non
         be.shutdown()
     metrics = report.read_metrics(metrics_path)
     if metrics:
-        report.plot_rewards(metrics, out / "reward.png", graph.flow)
+        report.plot_headline(metrics, out, graph.flow)
     # after the last step's row: reserved pools' teardown; an elastic backend's tasks (the final checkpoint,
     # released instances) and the devices its processes kept to the end
     tail = be.usage()
@@ -194,7 +206,7 @@ def _claim(out: Path, resume: bool, overwrite: bool) -> None:
                                        hint="continue it with --resume, replace it with --overwrite, "
                                             "or choose another --out"))
         shutil.rmtree(out / CKPT_DIR, ignore_errors=True)
-        for name in ("metrics.jsonl", "lengths.jsonl", "trace.json", "reward.png", "cost.json"):
+        for name in ("metrics.jsonl", "lengths.jsonl", "trace.json", *report.PLOTS.values(), "cost.json"):
             (out / name).unlink(missing_ok=True)
         shutil.rmtree(out / "tb", ignore_errors=True)
     out.mkdir(parents=True, exist_ok=True)
