@@ -92,6 +92,9 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--quiet", action="store_true", help="no progress bar")
     c.add_argument("--stage", default=None, metavar="NAME",
                    help="a flow with stages: run only this one, from the earlier stages' models saved in --out")
+    c.add_argument("--log", default=None, metavar="NAMES",
+                   help="experiment trackers, comma-separated: wandb, mlflow, tensorboard (replaces run { log }; "
+                        "WANDB_MODE=offline needs no network)")
 
     c = verb("viz", "Draw a flow's graph with graphviz (.svg, .png, .pdf or .dot).",
              "flowrl viz examples/ppo_arith.flow -o ppo.svg --stage placed")
@@ -266,9 +269,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         if value is not None and value < least:  # the run block's own limits (flowrl.ir.signatures.KEY_LIMITS)
             raise FlowError(Diagnostic(f"{flag} must be at least {least}, got {value}"))
 
-    graph = compile_args(args)
+    extra = _log_override(args.log)
+    graph = compile_args(args, extra)
     if isinstance(graph, Pipeline) and args.steps is not None:  # every stage's steps, as --set run.steps would
-        graph = compile_args(args, {"run.steps": str(args.steps)})
+        graph = compile_args(args, {**extra, "run.steps": str(args.steps)})
     out = Path(args.out or Path("runs") / graph.flow)
     args.crash_dir = out  # where a flowrl bug's crash log goes (main), now that the run has a directory
     if args.device is not None:
@@ -307,6 +311,21 @@ def cmd_run(args: argparse.Namespace) -> int:
 
         print(table(result.cost))
     return 0
+
+
+def _log_override(text: str | None) -> dict[str, str]:
+    """`--log wandb,mlflow` as the override `run.log = ["wandb", "mlflow"]`; an unknown name is an error."""
+    if text is None:
+        return {}
+    from flowrl.dsl.diagnostics import did_you_mean
+    from flowrl.ir.signatures import LOGGERS
+
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    for name in names:
+        if name not in LOGGERS:
+            raise FlowError(Diagnostic(f"--log: unknown tracker '{name}'",
+                                       hint=did_you_mean(name, LOGGERS) or f"trackers: {', '.join(LOGGERS)}"))
+    return {"run.log": "[" + ", ".join(json.dumps(n) for n in names) + "]"}
 
 
 def cmd_viz(args: argparse.Namespace) -> int:

@@ -25,10 +25,11 @@ from flowrl.data.tables import read_data
 from flowrl.errors import Diagnostic, FlowError
 from flowrl.ir.graph import Graph
 from flowrl.ir.printer import to_json_text, to_text
-from flowrl.runtime import carry, cost, interrupt, report
+from flowrl.runtime import carry, cost, interrupt, report, tracking
 from flowrl.runtime.ahead import Ahead, async_node
 from flowrl.runtime.controller import Controller, Span
 from flowrl.runtime.protocol import Backend, WorkerGroup
+from flowrl.runtime.samples import SAMPLES
 from flowrl.runtime.scoring import Scorer, make_scorer
 from flowrl.runtime.sinks import METRICS, TRACE, StepSinks
 
@@ -76,7 +77,7 @@ def loaders_of(graph: Graph, seed: int) -> dict[str, PromptLoader]:
 def run(graph: Graph, *, out_dir: str | Path, backend: Backend, steps: int | None = None,
         seed: int | None = None, resume: bool = False, overwrite: bool = False, device: str | None = None,
         on_step: Callable[[int, dict[str, Any]], None] | None = None,
-        init_weights: Mapping[str, Mapping[str, Any]] | None = None) -> RunResult:
+        init_weights: Mapping[str, Mapping[str, Any]] | None = None, draw: tracking.Draw | None = None) -> RunResult:
     """Train `graph` on `backend` (not started yet; shut down at the end, whatever happens) for `steps` steps
     (default: `run { steps }`) and return the metrics of every step. `flowrl.run` makes the backend by name.
 
@@ -84,14 +85,19 @@ def run(graph: Graph, *, out_dir: str | Path, backend: Backend, steps: int | Non
     otherwise it is an error, so an earlier run's checkpoints are never mixed up or lost.
 
     `init_weights` (model -> weights, as `runtime.carry` fits them) replace models' initial weights right after the
-    backend starts, before a checkpoint is resumed: a pipeline's stage starts from the stages before it."""
+    backend starts, before a checkpoint is resumed: a pipeline's stage starts from the stages before it.
+
+    `run { log }` sends every row, the samples and the run's files to experiment trackers too (`runtime.tracking`;
+    a missing extra is an error before the backend starts); `draw` draws the graph for them (`flowrl.run` gives
+    flowrl.viz's)."""
     out = Path(out_dir)
+    tracking.require(tracking.loggers(graph))
     _claim(out, resume, overwrite)
     plan = _plan(graph, steps, seed, device)
     torch.manual_seed(plan.seed)
     (out / "graph.txt").write_text(to_text(graph), encoding="utf-8")
     (out / "graph.json").write_text(to_json_text(graph), encoding="utf-8")
-    session = _Session(graph, backend, out, plan, loaders_of(graph, plan.seed))
+    session = _Session(graph, backend, out, plan, loaders_of(graph, plan.seed), draw)
     try:
         session.start(resume, init_weights)
         for step in range(session.first, plan.total + 1):
@@ -129,8 +135,9 @@ class _Session:
     training step and its row through every sink), `checkpoint`, `finish` (run.json's last notes), `close` (always:
     the scorers and the backend), then `result` (reward.png, cost.json)."""
 
-    def __init__(self, graph: Graph, backend: Backend, out: Path, plan: _Plan, loaders: dict[str, PromptLoader]):
-        self.graph, self.be, self.out, self.plan, self.loaders = graph, backend, out, plan, loaders
+    def __init__(self, graph: Graph, backend: Backend, out: Path, plan: _Plan, loaders: dict[str, PromptLoader],
+                 draw: tracking.Draw | None = None):
+        self.graph, self.be, self.out, self.plan, self.loaders, self.draw = graph, backend, out, plan, loaders, draw
         self.t0 = time.perf_counter()
         self.rewards: dict[str, Scorer] = {}
         self.ahead: Ahead | None = None
@@ -151,19 +158,18 @@ class _Session:
         self.pools = cost.pools_of(graph, self.groups)
         if init_weights:
             carry.load_into(self.groups, init_weights)
-        self.sinks = StepSinks(out)
         ckpt = last_checkpoint(out) if resume else None
         kept: dict[str, Any] = {}
         if ckpt is not None:
             start, kept = _load_checkpoint(ckpt, self.groups, self.loaders)
             self.first = start + 1
-            self.sinks.resume_at(start)
             self.events = [e for e in report.load_trace(out / TRACE) if e.get("ph") == "X"
                            and e["args"]["step"] <= start]
             self.t0 -= max((e["ts"] + e["dur"]) / 1e6 for e in self.events) if self.events else 0.0
         self.about = {"flow": graph.path, "backend": be.name, "seed": plan.seed, "steps": plan.total,
                       "device": plan.device}
         self._write_about()
+        self.sinks = StepSinks(out, graph, resumed_at=self.first - 1 if ckpt is not None else None, draw=self.draw)
         self.ctl = Controller(graph, self.groups, self.loaders, self.rewards, seed=plan.seed, clock_start=self.t0,
                               after_update=be.after_update)
         self.ctl.lengths.load_state_dict(kept.get("lengths", {}))
@@ -219,7 +225,7 @@ class _Session:
         """Whatever happened: the sinks (if a step failed), the rollout thread, the scorers' processes, the
         backend."""
         if self.sinks is not None:
-            self.sinks.close()
+            self.sinks.close(ok=False)
         if self.ahead is not None:
             self.ahead.close()
         close_scorers(self.rewards)
@@ -255,7 +261,7 @@ def _claim(out: Path, resume: bool, overwrite: bool) -> None:
                                        hint="continue it with --resume, replace it with --overwrite, "
                                             "or choose another --out"))
         shutil.rmtree(out / CKPT_DIR, ignore_errors=True)
-        for name in ("metrics.jsonl", "lengths.jsonl", "trace.json", "reward.png", "cost.json"):
+        for name in ("metrics.jsonl", "lengths.jsonl", "trace.json", "reward.png", "cost.json", SAMPLES, tracking.IDS):
             (out / name).unlink(missing_ok=True)
         shutil.rmtree(out / "tb", ignore_errors=True)
     out.mkdir(parents=True, exist_ok=True)

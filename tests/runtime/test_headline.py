@@ -1,6 +1,6 @@
 """The headline a user reads is what the policy optimises: with an environment that returns rewards and a declared
 reward, `reward_mean` and the progress bar show their sum per trajectory (as the advantages add them), and the parts
-stay as `reward/NAME` and `env/return_mean`."""
+stay as `reward/NAME` and `env/return_mean`; a sample's reward is that sum too."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ env counter = "sample_envs.Counter" { max_turns = 3, stop = "+", workers = 0, ti
 reward half = "half.reward"
 data prompts = jsonl("data.jsonl") { batch = 2 }
 use grpo(reward = half, env = counter, group = 2, max_tokens = 3)
-run { steps = 2, seed = 1 }
+run { steps = 2, seed = 1, log_samples = 4 }
 """
 
 
@@ -40,3 +40,9 @@ def test_reward_mean_is_the_declared_reward_plus_the_environments_return(
     with Progress(2, enabled=True, every=1) as bar:  # not a terminal here: one plain line a step
         bar.update(1, res.metrics[0])
     assert f"reward {0.5 + res.metrics[0]['env/return_mean']:.3f}" in capsys.readouterr().err
+    samples = [json.loads(line) for line in (tmp_path / "out" / "samples.jsonl").read_text().splitlines()]
+    assert len(samples) == 8
+    for s in samples:
+        assert s["reward"] == pytest.approx(0.5 + s["env_return"]) and s["rewards"] == {"scores": 0.5}
+        assert s["turn_rewards"] == [float(t + 1) for t in range(s["turns"])]  # Counter's rewards, turn by turn
+        assert s["env_return"] == sum(s["turn_rewards"]) and s["tool_calls"] >= s["turns"] - 1
