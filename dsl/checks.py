@@ -16,7 +16,7 @@ from typing import Any
 
 from flowrl.errors import FlowError
 from flowrl.ir.graph import DataDecl, ModelDecl, Node
-from flowrl.ir.signatures import TINY_SOURCES
+from flowrl.ir.signatures import LOGGERS, TINY_SOURCES
 from flowrl.models.sources import (
     device_problem,
     hf_positions,
@@ -78,6 +78,25 @@ def check_device(rep: Reporter, block: Block, device: object) -> None:
     problem = device_problem(str(device)) if at is not None else None
     if at is not None and problem is not None:
         rep.error(at.src, problem[0], at.entry.value, hint=problem[1])
+
+
+def check_loggers(rep: Reporter, block: Block, value: object) -> tuple[str, ...]:
+    """`run { log }`: a tracker's name or a list of them, each one of LOGGERS; the names (none after an error)."""
+    at = block.get("log")
+    names = (value,) if isinstance(value, str) else value if isinstance(value, tuple) else ()
+    if at is None:
+        return ()
+    if not isinstance(value, (str, tuple)) or not all(isinstance(n, str) for n in names):
+        rep.error(at.src, "`log` must be a tracker's name or a list of them", at.entry.value,
+                  hint=f'for example `log = ["wandb", "mlflow"]` (trackers: {", ".join(LOGGERS)})')
+        return ()
+    unknown = [str(n) for n in names if n not in LOGGERS]
+    items = at.entry.value.items if isinstance(at.entry.value, ast.ListLit) else ()
+    for name in unknown:
+        item = next((i for i in items if isinstance(i, ast.Literal) and i.value == name), at.entry.value)
+        rep.error(at.src, f"unknown tracker \"{name}\" in `log`", item,
+                  hint=did_you_mean(name, LOGGERS) or f"trackers: {', '.join(LOGGERS)}")
+    return () if unknown else tuple(dict.fromkeys(str(n) for n in names))
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ from flowrl.ir.signatures import (
 from flowrl.models.sources import hf_positions
 
 from . import ast
-from .checks import Flow, check_device, check_flow, check_shape, check_source
+from .checks import Flow, check_device, check_flow, check_loggers, check_shape, check_source
 from .columns import check_columns
 from .diagnostics import Reporter, Source, did_you_mean
 from .environments import EnvInfo, attach_envs, env_bindings, lower_envs
@@ -110,6 +110,7 @@ class _Lowering:
         data, sources = self._data(data_ast, ovr)
         run = self._run(ovr)
         check_device(self.rep, self._run_block, run.get("device"))
+        run["log"] = check_loggers(self.rep, self._run_block, run.get("log"))
         env: dict[str, Binding] = {}
         for m in models:
             env.setdefault(m.name, ModelB(m.name, m.role if m.role in ROLES else None,

@@ -7,6 +7,7 @@ passes (as `flowrl run` does; `passes=False` or `no_pass=[...]` to leave them ou
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from flowrl.errors import DataError, Diagnostic, ExecutionError, FlowError, RewardError
@@ -68,7 +69,15 @@ def run(graph: Graph, *, backend: str | Backend = "local", backend_options: dict
     from flowrl.runtime.runner import run as _run
 
     be = backends.make(backend, **(backend_options or {})) if isinstance(backend, str) else backend
+    kwargs.setdefault("draw", _draw)
     return _run(graph, backend=be, **kwargs)
+
+
+def _draw(graph: Graph, folder: Path) -> Path:
+    """The graph's drawing for a run's trackers (flowrl.viz, imported only when a run has trackers)."""
+    from flowrl.viz import draw_into
+
+    return draw_into(graph, folder)
 
 
 def __getattr__(name: str) -> Any:

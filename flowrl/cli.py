@@ -94,6 +94,9 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--quiet", action="store_true", help="no progress bar, nor the flow's opening comment")
     c.add_argument("--stage", default=None, metavar="NAME",
                    help="a flow with stages: run only this one, from the earlier stages' models saved in --out")
+    c.add_argument("--log", default=None, metavar="NAMES",
+                   help="experiment trackers, comma-separated: wandb, mlflow, tensorboard (replaces run { log }; "
+                        "WANDB_MODE=offline needs no network)")
 
     c = verb("viz", "Draw a flow's graph with graphviz (.svg, .png, .pdf or .dot).",
              "flowrl viz examples/ppo_arith.flow -o ppo.svg --stage placed")
@@ -269,11 +272,12 @@ def cmd_run(args: argparse.Namespace) -> int:
         if value is not None and value < least:  # the run block's own limits (flowrl.ir.signatures.KEY_LIMITS)
             raise FlowError(Diagnostic(f"{flag} must be at least {least}, got {value}"))
 
-    graph = compile_args(args)
+    extra = _log_override(args.log)
+    graph = compile_args(args, extra)
     if not args.quiet:  # what the flow says to expect of it (its opening comment), before the first step
         _say_what_to_expect(args.file)
     if isinstance(graph, Pipeline) and args.steps is not None:  # every stage's steps, as --set run.steps would
-        graph = compile_args(args, {"run.steps": str(args.steps)})
+        graph = compile_args(args, {**extra, "run.steps": str(args.steps)})
     out = Path(args.out or Path("runs") / graph.flow)
     args.crash_dir = out  # where a flowrl bug's crash log goes (main), now that the run has a directory
     if args.device is not None:
@@ -320,6 +324,21 @@ def _say_what_to_expect(path: str) -> None:
     lines = leading_comment(Path(path).read_text(encoding="utf-8"))
     if lines:
         print("\n".join(f"# {line}".rstrip() for line in lines), file=sys.stderr, flush=True)
+
+
+def _log_override(text: str | None) -> dict[str, str]:
+    """`--log wandb,mlflow` as the override `run.log = ["wandb", "mlflow"]`; an unknown name is an error."""
+    if text is None:
+        return {}
+    from flowrl.dsl.diagnostics import did_you_mean
+    from flowrl.ir.signatures import LOGGERS
+
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    for name in names:
+        if name not in LOGGERS:
+            raise FlowError(Diagnostic(f"--log: unknown tracker '{name}'",
+                                       hint=did_you_mean(name, LOGGERS) or f"trackers: {', '.join(LOGGERS)}"))
+    return {"run.log": "[" + ", ".join(json.dumps(n) for n in names) + "]"}
 
 
 def cmd_viz(args: argparse.Namespace) -> int:

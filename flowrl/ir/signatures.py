@@ -341,7 +341,13 @@ RUN_KEYS: dict[str, tuple[str, Value]] = {
     "acquire_timeout": ("float", 60.0),  # serverless on a joined cluster: seconds a pool may wait for its lower bound
     "gpu_hour": ("float", 0.0),  # price of a device-hour, for money in the cost report (0: device-seconds only)
     "cpu_hour": ("float", 0.0),  # price of the controller's host per hour of the run
+    "log": ("any", ()),  # experiment trackers: a name of LOGGERS or a list of them (`flowrl run --log`)
+    "project": ("str", "flowrl"),  # the trackers' project (wandb) / experiment (MLflow)
+    "name": ("str", ""),  # the trackers' run name ("": the run directory's name)
+    "log_samples": ("int", 0),  # rollout samples a step to OUT/samples.jsonl and the trackers (the step's first K)
 }
+# run { log }: the experiment trackers flowrl writes to (flowrl.runtime.tracking), each an optional extra
+LOGGERS = ("wandb", "mlflow", "tensorboard")
 
 
 # What each declaration key accepts beyond its kind, by block ("model", "data", "run", "reward", "http reward"):
@@ -368,6 +374,7 @@ KEY_LIMITS: dict[str, dict[str, Limit]] = {
         "acquire_timeout": Limit(0, above=True, why="seconds a pool may wait for its lower bound on a joined cluster"),
         "gpu_hour": Limit(0, why="a price per hour; 0 leaves money out of the cost report"),
         "cpu_hour": Limit(0, why="a price per hour; 0 leaves money out of the cost report"),
+        "log_samples": Limit(0, why="0 writes no samples"),
     },
     "reward": {"workers": NON_NEGATIVE, "timeout": Limit(0, why="seconds; 0: no limit")},
     "http reward": {"batch": POSITIVE, "timeout": Limit(0, why="seconds; 0: no limit"), "retries": NON_NEGATIVE,

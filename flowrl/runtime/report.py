@@ -1,5 +1,6 @@
 """Run outputs: metrics.jsonl, Chrome trace events (trace.json), the headline curve (reward.png, or a preference
-stage's accuracy.png / sft_loss.png / dpo_loss.png), TensorBoard when present."""
+stage's accuracy.png / sft_loss.png / dpo_loss.png), TensorBoard when present (or asked for: `run { log =
+["tensorboard"] }`)."""
 
 from __future__ import annotations
 
@@ -123,12 +124,16 @@ def plot_headline(metrics: list[dict[str, Any]], out_dir: Path, title: str) -> P
 
 
 class TensorBoard:
-    """Writes scalars when `tensorboard` is installed; a no-op otherwise."""
+    """Writes scalars when `tensorboard` is installed; a no-op otherwise, unless `required` (`run { log =
+    ["tensorboard"] }`, whose extra `tracking.require` checked before the run started). Also the run's files and
+    its samples as text."""
 
-    def __init__(self, logdir: Path):
+    def __init__(self, logdir: Path, required: bool = False):
         try:
             from torch.utils.tensorboard import SummaryWriter
         except Exception:  # tensorboard is an optional extra
+            if required:
+                raise
             self.writer = None
         else:
             self.writer = SummaryWriter(str(logdir))
@@ -139,6 +144,22 @@ class TensorBoard:
         for k, v in metrics.items():
             if isinstance(v, (int, float)) and k != "step":
                 self.writer.add_scalar(k, v, step)
+
+    def text(self, tag: str, text: str, step: int) -> None:
+        """`text` shown as is (TensorBoard renders markdown: indented, it stays preformatted)."""
+        if self.writer is not None:
+            self.writer.add_text(tag, "    " + text.replace("\n", "\n    "), step)
+
+    def samples(self, kind: str, rows: Sequence[dict[str, Any]], step: int) -> None:
+        """Sample rows as a markdown table under `samples/KIND`."""
+        if self.writer is None or not rows:
+            return
+        columns = list(dict.fromkeys(k for r in rows for k in r))
+        cell = lambda v: json.dumps(v) if not isinstance(v, str) else v  # noqa: E731
+        lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+        lines += ["| " + " | ".join(cell(r.get(c)).replace("|", "\\|").replace("\n", "⏎") for c in columns) + " |"
+                  for r in rows]
+        self.writer.add_text(f"samples/{kind}", "\n".join(lines), step)
 
     def close(self) -> None:
         if self.writer is not None:
