@@ -322,6 +322,7 @@ TOOL_KEYS: dict[str, tuple[str, Value]] = {
 
 # serverless: who computes a prompt prefix shared across generation instances (backends/serverless/prefill.py)
 DEDUP_PREFILL = ("auto", "handover", "local", "off")
+EXPORT = ("none", "final", "every")  # run { export }: when the run writes its model as a Hugging Face directory
 RUN_KEYS: dict[str, tuple[str, Value]] = {
     "steps": ("int", 100),
     "seed": ("int", 0),
@@ -338,6 +339,7 @@ RUN_KEYS: dict[str, tuple[str, Value]] = {
     "acquire_timeout": ("float", 60.0),  # serverless on a joined cluster: seconds a pool may wait for its lower bound
     "gpu_hour": ("float", 0.0),  # price of a device-hour, for money in the cost report (0: device-seconds only)
     "cpu_hour": ("float", 0.0),  # price of the controller's host per hour of the run
+    "export": ("str", "none"),  # write OUT/hf/MODEL/ (a Hugging Face directory) at the last checkpoint or at each (EXPORT)
 }
 
 
@@ -377,7 +379,7 @@ KEY_LIMITS: dict[str, dict[str, Limit]] = {
 KEY_LIMITS["tool"] = KEY_LIMITS["env"]
 KEY_CHOICES: dict[str, dict[str, tuple[str, ...]]] = {
     "model": {"engine": ENGINES, "dtype": DTYPES},
-    "run": {"dedup_prefill": DEDUP_PREFILL},
+    "run": {"dedup_prefill": DEDUP_PREFILL, "export": EXPORT},
     "reward": {"on_error": ON_ERROR, "sandbox": SANDBOX},
     "http reward": {"on_error": ON_ERROR},
     "env": {"on_error": ENV_ON_ERROR},

@@ -26,6 +26,7 @@ from flowrl.ir.printer import to_json_text, to_text
 from flowrl.runtime import carry, cost, interrupt, report
 from flowrl.runtime.ahead import Ahead, async_node
 from flowrl.runtime.controller import Controller, Span
+from flowrl.runtime.export import EXPORT_DIR, export_at_checkpoint
 from flowrl.runtime.protocol import Backend, WorkerGroup
 from flowrl.runtime.scoring import Scorer, make_scorer
 
@@ -161,6 +162,7 @@ def run(graph: Graph, *, out_dir: str | Path, backend: Backend, steps: int | Non
                         extra["ahead"] = ahead.state_dict()
                     _save_checkpoint(out, step, groups, loaders, extra)
                 report.write_trace(trace_path, report.trace_events(spans, group_names, prior=events))
+                export_at_checkpoint(graph, out, last_checkpoint(out), final=step == total)  # run { export }
         tb.close()
         if ctl.declined:  # fused stages this backend ran unfused, and why
             about["unfused"] = dict(ctl.declined)
@@ -197,6 +199,7 @@ def _claim(out: Path, resume: bool, overwrite: bool) -> None:
         for name in ("metrics.jsonl", "lengths.jsonl", "trace.json", "reward.png", "cost.json"):
             (out / name).unlink(missing_ok=True)
         shutil.rmtree(out / "tb", ignore_errors=True)
+        shutil.rmtree(out / EXPORT_DIR, ignore_errors=True)  # the replaced run's `run { export }`
     out.mkdir(parents=True, exist_ok=True)
 
 
