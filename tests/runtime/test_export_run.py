@@ -287,13 +287,14 @@ def test_run_export_writes_the_model_during_the_run_and_changes_nothing_else(tmp
     exported = load_file(str(tmp_path / "run" / "hf" / "actor" / "model.safetensors"))
     final = checkpoint_weights(tmp_path / "run" / "checkpoints" / "step_000002.pt")["actor"]
     assert all(torch.equal(v, final[k]) for k, v in exported.items())
-    plain = flowrl.run(flowrl.load(str(flow), overrides={"run.export": '"none"'}), out_dir=tmp_path / "plain",
-                       backend="local").metrics
+    # the same run without the export, over it (--overwrite): the same numbers, and the replaced run's export gone
+    plain = flowrl.run(flowrl.load(str(flow), overrides={"run.export": '"none"'}), out_dir=tmp_path / "run",
+                       backend="local", overwrite=True).metrics
     times = ("step_time_s", "tokens_per_s")
     strip = [[{k: v for k, v in r.items() if k not in times and not k.startswith(("time/", "cost/"))} for r in rs]
              for rs in (rows, plain)]
     assert strip[0] == strip[1]
-    assert not (tmp_path / "plain" / "hf").exists()
+    assert not (tmp_path / "run" / "hf").exists()
 
 
 def test_mistakes_are_one_rendered_error(runs: dict[str, Any], tmp_path: Path,
