@@ -1,4 +1,4 @@
-"""The `flowrl` command line: check, compile, show, run, viz, timeline, fuse-schedule, and the simulator's
+"""The `flowrl` command line: check, compile, show, run, export, viz, timeline, fuse-schedule, and the simulator's
 simulate, calibrate and plan (flowrl.backends.sim.commands).
 
 Every user error is printed as a rendered diagnostic on stderr with exit status 1; no verb prints a
@@ -113,6 +113,20 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--steps", type=int, default=3, help="how many of the last steps to draw")
     c.add_argument("--stage", default=None, metavar="NAME",
                    help="a pipeline's run: draw this stage's (default: every stage's, to OUT-NAME.png each)")
+
+    c = verb("export", "Write a run's model as a Hugging Face directory (config.json, model.safetensors, tokenizer "
+             "files, generation_config.json) that transformers loads without flowrl.",
+             "flowrl export runs/grpo -o runs/grpo-hf")
+    c.add_argument("run_dir", metavar="RUN_DIR")
+    c.add_argument("-o", "--output", required=True, metavar="DIR")
+    c.add_argument("--model", default=None, metavar="NAME",
+                   help="the model to export (default: the policy the run trains); a critic or reward model is "
+                        "written as a one-label ...ForSequenceClassification")
+    c.add_argument("--step", type=int, default=None, metavar="S",
+                   help="the checkpoint of step S (default: the last; in a pipeline's run, the stage's own step)")
+    c.add_argument("--stage", default=None, metavar="NAME",
+                   help="a pipeline's run: this stage's checkpoints (default: the last stage that holds the model)")
+    c.add_argument("--overwrite", action="store_true", help="replace the model directory DIR already holds")
 
     c = verb("fuse-schedule", "Schedule two models' pipelined training side by side on the same nodes (RLHFuse "
              "intra-stage fusion): greedy, then simulated annealing for makespan, then for peak memory.",
@@ -366,6 +380,18 @@ def cmd_timeline(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from flowrl.runtime.export_run import export_run
+
+    found, done = export_run(args.run_dir, args.output, model=args.model, step=args.step, stage=args.stage,
+                             overwrite=args.overwrite)
+    where = f"stage {found.stage}, " if found.stage is not None else ""
+    print(f"wrote {done.path}: `{found.model}` ({where}step {found.step}) as {done.architecture}, {done.dtype}")
+    for note in done.notes:
+        print(f"note: {note}", file=sys.stderr)
+    return 0
+
+
 def _pair(text: str, what: str, kind: type[int] | type[float]) -> tuple[Any, Any]:
     parts = text.split(",")
     try:
@@ -398,6 +424,7 @@ def cmd_fuse_schedule(args: argparse.Namespace) -> int:
 
 VERBS = {"check": cmd_check, "compile": cmd_compile, "show": cmd_show, "run": cmd_run, "viz": cmd_viz,
          "timeline": cmd_timeline, "fuse-schedule": cmd_fuse_schedule, **sim_commands.VERBS}
+VERBS["export"] = cmd_export
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -325,6 +325,7 @@ TOOL_KEYS: dict[str, tuple[str, Value]] = {
 
 # serverless: who computes a prompt prefix shared across generation instances (backends/serverless/prefill.py)
 DEDUP_PREFILL = ("auto", "handover", "local", "off")
+EXPORT = ("none", "final", "every")  # run { export }: when the run writes its model as a Hugging Face directory
 RUN_KEYS: dict[str, tuple[str, Value]] = {
     "steps": ("int", 100),
     "seed": ("int", 0),
@@ -345,6 +346,7 @@ RUN_KEYS: dict[str, tuple[str, Value]] = {
     "project": ("str", "flowrl"),  # the trackers' project (wandb) / experiment (MLflow)
     "name": ("str", ""),  # the trackers' run name ("": the run directory's name)
     "log_samples": ("int", 0),  # rollout samples a step to OUT/samples.jsonl and the trackers (the step's first K)
+    "export": ("str", "none"),  # write OUT/hf/MODEL/ (a Hugging Face directory) at the last checkpoint or at each (EXPORT)
 }
 # run { log }: the experiment trackers flowrl writes to (flowrl.runtime.tracking), each an optional extra
 LOGGERS = ("wandb", "mlflow", "tensorboard")
@@ -387,7 +389,7 @@ KEY_LIMITS: dict[str, dict[str, Limit]] = {
 KEY_LIMITS["tool"] = KEY_LIMITS["env"]
 KEY_CHOICES: dict[str, dict[str, tuple[str, ...]]] = {
     "model": {"engine": ENGINES, "dtype": DTYPES},
-    "run": {"dedup_prefill": DEDUP_PREFILL},
+    "run": {"dedup_prefill": DEDUP_PREFILL, "export": EXPORT},
     "reward": {"on_error": ON_ERROR, "sandbox": SANDBOX},
     "http reward": {"on_error": ON_ERROR},
     "env": {"on_error": ENV_ON_ERROR},

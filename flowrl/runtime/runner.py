@@ -30,6 +30,7 @@ from flowrl.ir.printer import to_json_text, to_text
 from flowrl.runtime import carry, cost, interrupt, report, tracking
 from flowrl.runtime.ahead import Ahead, async_node
 from flowrl.runtime.controller import Controller, Span
+from flowrl.runtime.export import EXPORT_DIR, export_at_checkpoint
 from flowrl.runtime.overlong import Overlong, filter_overlong
 from flowrl.runtime.protocol import Backend, WorkerGroup
 from flowrl.runtime.samples import SAMPLES
@@ -226,6 +227,7 @@ class _Session:
                 extra["ahead"] = self.ahead.state_dict()
             _save_checkpoint(self.out, step, self.groups, self.loaders, extra)
         report.write_trace(self.out / TRACE, report.trace_events(self.spans, self.group_names, prior=self.events))
+        export_at_checkpoint(self.graph, self.out, last_checkpoint(self.out), final=step == self.plan.total)  # run { export }
 
     def finish(self) -> None:
         """After the last step: run.json says which fused stages this backend ran unfused, and why; the sinks
@@ -280,6 +282,7 @@ def _claim(out: Path, resume: bool, overwrite: bool) -> None:
                      tracking.IDS):
             (out / name).unlink(missing_ok=True)
         shutil.rmtree(out / "tb", ignore_errors=True)
+        shutil.rmtree(out / EXPORT_DIR, ignore_errors=True)  # the replaced run's `run { export }`
     out.mkdir(parents=True, exist_ok=True)
 
 
