@@ -19,10 +19,10 @@ from .diagnostics import Source
 from .lower import lower
 from .parser import parse
 from .stages import Pipeline, Stage, has_stages, lower_pipeline
-from .templates import stdlib_names, template_source
+from .templates import leading_comment, stdlib_names, template_source, template_summary
 
-__all__ = ["Pipeline", "Stage", "compile_any", "compile_flow", "load", "load_any", "parse", "stdlib_names",
-           "template_source"]
+__all__ = ["Pipeline", "Stage", "compile_any", "compile_flow", "leading_comment", "load", "load_any", "parse",
+           "stdlib_names", "template_source", "template_summary"]
 
 
 def compile_flow(text: str, path: str = "<string>", overrides: Mapping[str, str] | None = None) -> Graph:

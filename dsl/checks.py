@@ -16,7 +16,7 @@ from typing import Any
 
 from flowrl.errors import FlowError
 from flowrl.ir.graph import DataDecl, ModelDecl, Node
-from flowrl.ir.signatures import TINY_SOURCES
+from flowrl.ir.signatures import LOGGERS, TINY_SOURCES
 from flowrl.models.sources import (
     device_problem,
     hf_positions,
@@ -78,6 +78,25 @@ def check_device(rep: Reporter, block: Block, device: object) -> None:
     problem = device_problem(str(device)) if at is not None else None
     if at is not None and problem is not None:
         rep.error(at.src, problem[0], at.entry.value, hint=problem[1])
+
+
+def check_loggers(rep: Reporter, block: Block, value: object) -> tuple[str, ...]:
+    """`run { log }`: a tracker's name or a list of them, each one of LOGGERS; the names (none after an error)."""
+    at = block.get("log")
+    names = (value,) if isinstance(value, str) else value if isinstance(value, tuple) else ()
+    if at is None:
+        return ()
+    if not isinstance(value, (str, tuple)) or not all(isinstance(n, str) for n in names):
+        rep.error(at.src, "`log` must be a tracker's name or a list of them", at.entry.value,
+                  hint=f'for example `log = ["wandb", "mlflow"]` (trackers: {", ".join(LOGGERS)})')
+        return ()
+    unknown = [str(n) for n in names if n not in LOGGERS]
+    items = at.entry.value.items if isinstance(at.entry.value, ast.ListLit) else ()
+    for name in unknown:
+        item = next((i for i in items if isinstance(i, ast.Literal) and i.value == name), at.entry.value)
+        rep.error(at.src, f"unknown tracker \"{name}\" in `log`", item,
+                  hint=did_you_mean(name, LOGGERS) or f"trackers: {', '.join(LOGGERS)}")
+    return () if unknown else tuple(dict.fromkeys(str(n) for n in names))
 
 
 @dataclass(frozen=True)
@@ -199,16 +218,26 @@ def _check_generation(rep: Reporter, flow: Flow, node: Node) -> None:
     if isinstance(node.attrs.get("env"), Mapping):  # a trajectory's positions: check_env_generation
         return
     prompts = flow.prompts[data]
+    lengths: list[int] = []
     if root.source in TINY_SOURCES:
         context = root.config.get("context")
         tok = tiny_tokenizer(root.config)
-        longest = max((len(tok.encode(p)) for p in prompts), default=0) + (tok.bos_id is not None)
+        lengths = [len(tok.encode(p)) + (tok.bos_id is not None) for p in prompts]
+        longest = max(lengths, default=1)
         _check_charset(rep, flow, root, data, prompts)
     else:  # an hf: checkpoint: its positions from config.json; its tokenizer is not loaded to check
         context, longest = hf_positions(root.source[3:]), 1
     if not isinstance(context, int) or longest + max_tokens <= context:
         return
     src, where = flow.written[(node.id, "max_tokens")]
+    over = sum(n + max_tokens > context for n in lengths)
+    if over < len(lengths):  # some fit: the run leaves the others out (flowrl.runtime.overlong), as verl filters
+        rep.warn(src, f"`max_tokens = {max_tokens}` leaves the prompts of `{data}` {context - max_tokens} of model "
+                      f"`{root.name}`'s {context} positions: {over} of {len(lengths)} prompts are longer (the "
+                      f"longest has {longest} tokens with <bos>) and are left out of the run", where,
+                 hint=f"to keep them, give `{root.name}` more positions (`context = {longest + max_tokens}`) or "
+                      f"lower `max_tokens`")
+        return
     what = (f"the longest prompt of `{data}` ({longest} tokens with <bos>)" if root.source in TINY_SOURCES
             else "a prompt's first token")
     room = context - longest

@@ -180,24 +180,36 @@ def _model(rep: Reporter, src: Source, d: ast.EvalDecl, entries: Block, ctx: Eva
 
 def _fits(rep: Reporter, src: Source, d: ast.EvalDecl, at: Entry | None, ctx: EvalContext, model: str, data: str,
           max_tokens: int) -> bool:
-    """The longest prompt of `data` and `max_tokens` within the model's positions (as a generate is checked: a
-    prompt would otherwise lose its opening to make room)."""
+    """The prompts of `data` and `max_tokens` within the model's positions, as a generate's are checked: the prompts
+    that are longer are left out of the evaluation (a warning, with their count; verl filters its validation set
+    alike), and none fitting is an error. False after an error."""
     decls = {m.name: m for m in ctx.models}
     root = decls[model]
     while root.source_model is not None and root.source_model in decls:
         root = decls[root.source_model]
+    lengths: list[int] = []
     if root.source in TINY_SOURCES:
         tok = tiny_tokenizer(root.config)
         context = root.config.get("context")
-        longest = max((len(tok.encode(p)) for p in ctx.prompts.get(data, ())), default=0) + (tok.bos_id is not None)
-    else:
-        context, longest = hf_positions(root.source[3:]), 1
+        lengths = [len(tok.encode(p)) + (tok.bos_id is not None) for p in ctx.prompts.get(data, ())]
+    else:  # an hf: checkpoint: its positions from config.json; its tokenizer is not loaded to check
+        context, lengths = hf_positions(root.source[3:]), [1]
+    longest = max(lengths, default=1)
     if not isinstance(context, int) or longest + max_tokens <= context:
         return True
     where: ast.Located = at.entry.value if at is not None else d.name
-    rep.error(at.src if at is not None else src,
-              f"eval `{d.name.name}`: `max_tokens = {max_tokens}` and the longest prompt of `{data}` ({longest} "
-              f"tokens) need {longest + max_tokens} positions; model `{root.name}` has {context}", where,
-              hint=f"`max_tokens` can be at most {context - longest} here" if context > longest else
+    where_src = at.src if at is not None else src
+    over = sum(n + max_tokens > context for n in lengths)
+    if over < len(lengths):
+        rep.warn(where_src, f"eval `{d.name.name}`: `max_tokens = {max_tokens}` leaves the prompts of `{data}` "
+                            f"{context - max_tokens} of model `{root.name}`'s {context} positions: {over} of "
+                            f"{len(lengths)} prompts are longer (the longest has {longest} tokens with <bos>) and are "
+                            "left out of the evaluation", where,
+                 hint=f"to keep them, give `{root.name}` more positions (`context = {longest + max_tokens}`) or "
+                      "lower `max_tokens`")
+        return True
+    rep.error(where_src, f"eval `{d.name.name}`: `max_tokens = {max_tokens}` and the longest prompt of `{data}` "
+                         f"({longest} tokens) need {longest + max_tokens} positions; model `{root.name}` has {context}",
+              where, hint=f"`max_tokens` can be at most {context - longest} here" if context > longest else
               f"the prompts alone fill the positions: give `{root.name}` more (`context = {longest + max_tokens}`)")
     return False

@@ -33,7 +33,8 @@ from flowrl.ir.signatures import (
 from flowrl.models.sources import hf_positions
 
 from . import ast
-from .checks import Flow, check_device, check_flow, check_shape, check_source
+from .checks import Flow, check_device, check_flow, check_loggers, check_shape, check_source
+from .columns import check_columns
 from .diagnostics import Reporter, Source, did_you_mean
 from .environments import EnvInfo, attach_envs, env_bindings, lower_envs
 from .evals import EvalContext, lower_evals
@@ -118,6 +119,7 @@ class _Lowering:
         data, sources = self._data(data_ast, ovr)
         run = self._run(ovr)
         check_device(self.rep, self._run_block, run.get("device"))
+        run["log"] = check_loggers(self.rep, self._run_block, run.get("log"))
         env: dict[str, Binding] = {}
         for m in models:
             env.setdefault(m.name, ModelB(m.name, m.role if m.role in ROLES else None,
@@ -456,8 +458,9 @@ class _Lowering:
             # a key without a default left unset (held_out) is left out, as graphs printed it before the key existed
             options = {k: v for k, v in self._filled(block, DATA_KEYS, "data").items() if v is not None}
             path = self._data_path(d)
+            key = str(options.get("prompt_key", "prompt"))
+            rows: list[dict[str, Any]] = []
             if path is not None:
-                key = str(options.get("prompt_key", "prompt"))
                 rows = self._check_data(d, path, key)
                 limit = options.get("limit")
                 rows = rows[:limit] if isinstance(limit, int) and limit > 0 else rows
@@ -467,6 +470,9 @@ class _Lowering:
                     at = block["held_out"]
                     self.rep.error(at.src, held[1], at.entry.value, hint="held_out names a bool column of the data")
                 self._shown[name] = self._shown_path(str(to_value(d.args[0].value)))
+            if "columns" in options:  # nested paths as reward keywords (dsl.columns), each row checked to hold them
+                shown = self._shown.get(name, "the data")
+                options["columns"] = check_columns(self.rep, block["columns"], key, rows, shown)[1]
             out.append(DataDecl(name, d.kind.name, path or "", self.src.loc(d), frozen(options)))
             sources[name] = DataSource(self.src.loc(d), self.src.text_of(d), options)
         return out, sources

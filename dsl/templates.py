@@ -9,6 +9,7 @@ hygienic: they see their parameters and the step functions, not the file's other
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -29,6 +30,34 @@ STDLIB_PREFIX = "<stdlib>"
 def stdlib_names() -> list[str]:
     """The standard templates, by name."""
     return sorted(p.stem for p in STDLIB_DIR.glob("*.flow"))
+
+
+def leading_comment(text: str) -> list[str]:
+    """The comment lines a flow or template file opens with, each without its `#` and the space after it (a
+    line that is not a comment ends them): what the file says it is and what to expect of it."""
+    out: list[str] = []
+    for line in text.splitlines():
+        stripped = line.strip()
+        if not stripped.startswith("#"):
+            break
+        out.append(stripped[1:].removeprefix(" ").rstrip())
+    return out
+
+
+def template_summary(name: str, width: int = 100) -> str:
+    """One line on what standard template `name` is: the first sentence of its file's leading comment, cut at a
+    word within `width` characters ("" when the file opens with no comment)."""
+    text = " ".join(part for part in leading_comment(template_source(name)) if part)
+    first = re.split(r"(?<=\.)\s+(?=[A-Z`(])", text, maxsplit=1)[0]
+    if len(first) <= width:
+        return first
+    depth, clauses = 0, []  # where a clause ends outside brackets: a cut there reads best, when it keeps enough
+    for i, ch in enumerate(first[:width]):
+        depth += (ch == "(") - (ch == ")")
+        if depth == 0 and ch in ",;:" and first[i + 1:i + 2] == " ":
+            clauses.append(i)
+    cut = clauses[-1] if clauses and clauses[-1] >= width * 0.6 else None
+    return (first[:cut] if cut is not None else first[:width - 1].rsplit(" ", 1)[0].rstrip(",;:")) + "…"
 
 
 def template_source(name: str) -> str:

@@ -45,7 +45,7 @@ class Judge:
     def samples(self, state: dict[str, Any] | None = None) -> list[dict[str, Any]]:
         """Each sum's greedy answer with its arith_exact, in the file's order."""
         self.policy.load(state)
-        return self.policy.evaluate(self.rows, GREEDY, self.scorer, seed=0, step=0, answers=False).samples
+        return self.policy.evaluate(list(enumerate(self.rows)), GREEDY, self.scorer, seed=0, step=0).samples
 
     def answers(self, state: dict[str, Any] | None = None) -> list[float]:
         """arith_exact of the greedy answer to each sum, in the file's order."""

@@ -9,6 +9,7 @@ register Python callables that flows name.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from flowrl.errors import DataError, Diagnostic, ExecutionError, FlowError, RewardError
@@ -71,6 +72,7 @@ def run(graph: Graph, *, backend: str | Backend = "local", backend_options: dict
     from flowrl.runtime.runner import run as _run
 
     be = backends.make(backend, **(backend_options or {})) if isinstance(backend, str) else backend
+    kwargs.setdefault("draw", _draw)
     return _run(graph, backend=be, **kwargs)
 
 
@@ -82,6 +84,11 @@ def evaluate(run_dir: str, *, data: str, **kwargs: Any) -> Evaluated:
     from flowrl.runtime.eval_run import evaluate as _evaluate
 
     return _evaluate(run_dir, data=data, **kwargs)
+def _draw(graph: Graph, folder: Path) -> Path:
+    """The graph's drawing for a run's trackers (flowrl.viz, imported only when a run has trackers)."""
+    from flowrl.viz import draw_into
+
+    return draw_into(graph, folder)
 
 
 def __getattr__(name: str) -> Any:

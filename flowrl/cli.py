@@ -1,4 +1,4 @@
-"""The `flowrl` command line: check, compile, show, run, eval, viz, timeline, fuse-schedule, and the simulator's
+"""The `flowrl` command line: check, compile, show, run, eval, export, viz, timeline, fuse-schedule, and the simulator's
 simulate, calibrate and plan (flowrl.backends.sim.commands).
 
 Every user error is printed as a rendered diagnostic on stderr with exit status 1; no verb prints a
@@ -54,6 +54,8 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("files", nargs="+", metavar="FILE")
     c.add_argument("--backend", default=None, choices=backend_names(),
                    help="the backend it will run on: what the flow asks for and that backend can't do is a warning")
+    c.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a flow key, as `run` will (checked with the override applied)")
 
     c = verb("compile", "Compile a flow and print its graph (text, or JSON with --json).",
              "flowrl compile examples/grpo_arith.flow --json --no-pass share-prefix")
@@ -67,7 +69,7 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a flow key")
 
     c = verb("show", "Print a standard-library template's source.", "flowrl show grpo")
-    c.add_argument("name", metavar="NAME", nargs="?", help="template name (omit to list them)")
+    c.add_argument("name", metavar="NAME", nargs="?", help="template name (omit to list them, a line on each)")
 
     c = verb("run", "Train: run a flow for some steps and write a run directory.",
              "flowrl run examples/grpo_arith.flow --steps 60 --set actor.lr=3e-3 --out runs/grpo")
@@ -89,9 +91,12 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--no-pass", action="append", default=[], metavar="NAME", help="switch a pass off")
     c.add_argument("--pass", dest="with_pass", action="append", default=[], metavar="NAME",
                    help="switch on a pass that is off by default (score-tail)")
-    c.add_argument("--quiet", action="store_true", help="no progress bar")
+    c.add_argument("--quiet", action="store_true", help="no progress bar, nor the flow's opening comment")
     c.add_argument("--stage", default=None, metavar="NAME",
                    help="a flow with stages: run only this one, from the earlier stages' models saved in --out")
+    c.add_argument("--log", default=None, metavar="NAMES",
+                   help="experiment trackers, comma-separated: wandb, mlflow, tensorboard (replaces run { log }; "
+                        "WANDB_MODE=offline needs no network)")
 
     c = verb("eval", "Evaluate a run's policy on held-out prompts: mean@K, pass@k, maj@K (as an `eval` block does).",
              "flowrl eval runs/grpo --data data/test.jsonl --reward flowrl.rewards.arith_exact --n 4 --temperature 1")
@@ -125,6 +130,20 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--steps", type=int, default=3, help="how many of the last steps to draw")
     c.add_argument("--stage", default=None, metavar="NAME",
                    help="a pipeline's run: draw this stage's (default: every stage's, to OUT-NAME.png each)")
+
+    c = verb("export", "Write a run's model as a Hugging Face directory (config.json, model.safetensors, tokenizer "
+             "files, generation_config.json) that transformers loads without flowrl.",
+             "flowrl export runs/grpo -o runs/grpo-hf")
+    c.add_argument("run_dir", metavar="RUN_DIR")
+    c.add_argument("-o", "--output", required=True, metavar="DIR")
+    c.add_argument("--model", default=None, metavar="NAME",
+                   help="the model to export (default: the policy the run trains); a critic or reward model is "
+                        "written as a one-label ...ForSequenceClassification")
+    c.add_argument("--step", type=int, default=None, metavar="S",
+                   help="the checkpoint of step S (default: the last; in a pipeline's run, the stage's own step)")
+    c.add_argument("--stage", default=None, metavar="NAME",
+                   help="a pipeline's run: this stage's checkpoints (default: the last stage that holds the model)")
+    c.add_argument("--overwrite", action="store_true", help="replace the model directory DIR already holds")
 
     c = verb("fuse-schedule", "Schedule two models' pipelined training side by side on the same nodes (RLHFuse "
              "intra-stage fusion): greedy, then simulated annealing for makespan, then for peak memory.",
@@ -164,14 +183,14 @@ def _explain(graph: Graph) -> str:
 
 def cmd_check(args: argparse.Namespace) -> int:
     from flowrl import cli_stages
-    from flowrl.compiler import optimize
+    from flowrl.compiler import optimize, parse_sets
     from flowrl.dsl import load_any
     from flowrl.dsl.stages import Pipeline
 
-    failed = 0
+    failed, sets = 0, parse_sets(args.set)
     for f in args.files:
         try:
-            graph = load_any(f)
+            graph = load_any(f, sets)
         except FlowError as e:
             print(e.render(), file=sys.stderr)
             failed += 1
@@ -259,10 +278,11 @@ def cmd_compile(args: argparse.Namespace) -> int:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    from flowrl.dsl import stdlib_names, template_source
+    from flowrl.dsl import stdlib_names, template_source, template_summary
 
-    if not args.name:
-        print("\n".join(stdlib_names()))
+    if not args.name:  # a line on each, from its file's opening comment
+        width = max(map(len, stdlib_names()), default=0)
+        print("\n".join(f"{n:<{width}}  {template_summary(n)}".rstrip() for n in stdlib_names()))
         return 0
     if args.name not in stdlib_names():
         raise FlowError(f"no standard template named '{args.name}' (templates: {', '.join(stdlib_names())})")
@@ -283,9 +303,12 @@ def cmd_run(args: argparse.Namespace) -> int:
         if value is not None and value < least:  # the run block's own limits (flowrl.ir.signatures.KEY_LIMITS)
             raise FlowError(Diagnostic(f"{flag} must be at least {least}, got {value}"))
 
-    graph = compile_args(args)
+    extra = _log_override(args.log)
+    graph = compile_args(args, extra)
+    if not args.quiet:  # what the flow says to expect of it (its opening comment), before the first step
+        _say_what_to_expect(args.file)
     if isinstance(graph, Pipeline) and args.steps is not None:  # every stage's steps, as --set run.steps would
-        graph = compile_args(args, {"run.steps": str(args.steps)})
+        graph = compile_args(args, {**extra, "run.steps": str(args.steps)})
     out = Path(args.out or Path("runs") / graph.flow)
     args.crash_dir = out  # where a flowrl bug's crash log goes (main), now that the run has a directory
     if args.device is not None:
@@ -326,12 +349,37 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _say_what_to_expect(path: str) -> None:
+    from flowrl.dsl import leading_comment
+
+    lines = leading_comment(Path(path).read_text(encoding="utf-8"))
+    if lines:
+        print("\n".join(f"# {line}".rstrip() for line in lines), file=sys.stderr, flush=True)
+
+
+def _log_override(text: str | None) -> dict[str, str]:
+    """`--log wandb,mlflow` as the override `run.log = ["wandb", "mlflow"]`; an unknown name is an error."""
+    if text is None:
+        return {}
+    from flowrl.dsl.diagnostics import did_you_mean
+    from flowrl.ir.signatures import LOGGERS
+
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    for name in names:
+        if name not in LOGGERS:
+            raise FlowError(Diagnostic(f"--log: unknown tracker '{name}'",
+                                       hint=did_you_mean(name, LOGGERS) or f"trackers: {', '.join(LOGGERS)}"))
+    return {"run.log": "[" + ", ".join(json.dumps(n) for n in names) + "]"}
+
+
 def cmd_eval(args: argparse.Namespace) -> int:
     from flowrl.runtime.eval_run import evaluate
 
     got = evaluate(args.run_dir, data=args.data, reward=args.reward, step=args.step, model=args.model, n=args.n,
                    temperature=args.temperature, max_tokens=args.max_tokens, init=args.init, samples=args.samples,
                    device=args.device)
+    if got.left_out is not None:
+        print(f"warning: {got.left_out}", file=sys.stderr)
     if args.json:
         print(json.dumps(got.summary()))
         return 0
@@ -372,6 +420,18 @@ def cmd_timeline(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from flowrl.runtime.export_run import export_run
+
+    found, done = export_run(args.run_dir, args.output, model=args.model, step=args.step, stage=args.stage,
+                             overwrite=args.overwrite)
+    where = f"stage {found.stage}, " if found.stage is not None else ""
+    print(f"wrote {done.path}: `{found.model}` ({where}step {found.step}) as {done.architecture}, {done.dtype}")
+    for note in done.notes:
+        print(f"note: {note}", file=sys.stderr)
+    return 0
+
+
 def _pair(text: str, what: str, kind: type[int] | type[float]) -> tuple[Any, Any]:
     parts = text.split(",")
     try:
@@ -404,6 +464,7 @@ def cmd_fuse_schedule(args: argparse.Namespace) -> int:
 
 VERBS = {"check": cmd_check, "compile": cmd_compile, "show": cmd_show, "run": cmd_run, "eval": cmd_eval, "viz": cmd_viz,
          "timeline": cmd_timeline, "fuse-schedule": cmd_fuse_schedule, **sim_commands.VERBS}
+VERBS["export"] = cmd_export
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -58,6 +58,7 @@ def run(args: argparse.Namespace, pipe: Pipeline, out: Path, warnings: Callable[
     from flowrl import backends
     from flowrl.runtime.pipeline import run_pipeline, stage_dir
     from flowrl.runtime.progress import Progress, summary
+    from flowrl.viz import draw_into
 
     for w in [*pipe.warnings, *(d for s in pipe.stages for d in warnings(s.graph))]:
         print(w.render(), file=sys.stderr)
@@ -75,7 +76,8 @@ def run(args: argparse.Namespace, pipe: Pipeline, out: Path, warnings: Callable[
             yield shown.update
 
     result = run_pipeline(pipe, out_dir=out, backend=backend, seed=args.seed, resume=args.resume,
-                          overwrite=args.overwrite, device=args.device, only=args.stage, bar=bar)
+                          overwrite=args.overwrite, device=args.device, only=args.stage, bar=bar,
+                          draw=draw_into)
     for name in pipe.names:
         rows = [r for r in result.metrics if r["stage"] == name][-5:]
         if rows:

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from flowrl.ir.graph import EvalDecl, Graph, Node, Range, Ref, Value
+from flowrl.ir.signatures import MODEL_KEYS
 
 
 def format_value(v: Value) -> str:
@@ -39,13 +40,16 @@ def env_label(attrs: Mapping[str, Any]) -> str | None:
     return f"{spec.get('name')} ({spec.get('kind', 'env')}, max_turns={spec.get('max_turns')}{extra})"
 
 
-def format_node(n: Node) -> str:
+def format_node(n: Node, model_lr: float | None = None) -> str:
+    """One node's line; an update whose `lr` is 0 (the model's own) shows `model_lr`, the rate it trains at."""
     call = f"{n.model}.{n.method}" if n.model else n.op
     if n.op in ("fn", "reward"):
         call = f"{n.op}:{n.attrs.get('fn')}"
     args = ", ".join(f"{p}={i}" for p, i in n.inputs)
     attrs = {k: v for k, v in n.attrs.items() if not (n.op in ("fn", "reward") and k == "fn")
              and k not in ("env", "max_total", "env_at")}
+    if n.op == "update" and attrs.get("lr") == 0 and model_lr is not None:
+        attrs["lr"] = model_lr
     env = env_label(n.attrs)
     shown = ", ".join(x for x in (f"env={env}" if env else "", _kv(attrs)) if x)
     tail = f" {{{shown}}}" if shown else ""
@@ -85,7 +89,10 @@ def to_text(g: Graph) -> str:
         pool = f" on {w.pool}" if w.pool else ""
         lines.append(f"group {w.name}{pool}: {', '.join(w.models)} x{w.replicas}")
     lines.append("step {")
-    lines.extend(format_node(n) for n in g.nodes)
+    # the rate each model trains at: its `lr`, else the default its optimizer is built with (a reward model
+    # made trainable by being updated has no `lr` of its own)
+    lrs = {m.name: m.lr if m.lr is not None else float(str(MODEL_KEYS["lr"][1])) for m in g.models}
+    lines.extend(format_node(n, lrs.get(str(n.model))) for n in g.nodes)
     lines.append("}")
     if g.run:
         lines.append(f"run {{{_kv(g.run)}}}")

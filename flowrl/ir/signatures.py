@@ -281,6 +281,9 @@ DATA_KEYS: dict[str, tuple[str, Value]] = {
     "prompt_key": ("str", "prompt"),
     "limit": ("int", 0),  # use only the first N rows (0 = all)
     "held_out": ("str", None),  # a bool column: its true rows are never trained on, only evaluated (none: no column)
+    # "NAME = PATH" strings (one, or a list): each row gets keyword NAME read from the dotted PATH of its nested
+    # columns (`answer = reward_model.ground_truth`, verl's layout; flowrl.data.paths); none: the rows as they are
+    "columns": ("any", None),
 }
 
 SANDBOX = ("auto", "strict")  # code_tests: the best isolation here (warned when degraded), or refuse without it
@@ -322,6 +325,7 @@ TOOL_KEYS: dict[str, tuple[str, Value]] = {
 
 # serverless: who computes a prompt prefix shared across generation instances (backends/serverless/prefill.py)
 DEDUP_PREFILL = ("auto", "handover", "local", "off")
+EXPORT = ("none", "final", "every")  # run { export }: when the run writes its model as a Hugging Face directory
 RUN_KEYS: dict[str, tuple[str, Value]] = {
     "steps": ("int", 100),
     "seed": ("int", 0),
@@ -338,7 +342,14 @@ RUN_KEYS: dict[str, tuple[str, Value]] = {
     "acquire_timeout": ("float", 60.0),  # serverless on a joined cluster: seconds a pool may wait for its lower bound
     "gpu_hour": ("float", 0.0),  # price of a device-hour, for money in the cost report (0: device-seconds only)
     "cpu_hour": ("float", 0.0),  # price of the controller's host per hour of the run
+    "log": ("any", ()),  # experiment trackers: a name of LOGGERS or a list of them (`flowrl run --log`)
+    "project": ("str", "flowrl"),  # the trackers' project (wandb) / experiment (MLflow)
+    "name": ("str", ""),  # the trackers' run name ("": the run directory's name)
+    "log_samples": ("int", 0),  # rollout samples a step to OUT/samples.jsonl and the trackers (the step's first K)
+    "export": ("str", "none"),  # write OUT/hf/MODEL/ (a Hugging Face directory) at the last checkpoint or at each (EXPORT)
 }
+# run { log }: the experiment trackers flowrl writes to (flowrl.runtime.tracking), each an optional extra
+LOGGERS = ("wandb", "mlflow", "tensorboard")
 
 # `eval NAME { ... }`: a held-out evaluation between steps (flowrl.runtime.evaluation). The keys without a default
 # take the flow's: `data` is required, `reward` the step's reward, `model` the policy it generates with,
@@ -379,6 +390,7 @@ KEY_LIMITS: dict[str, dict[str, Limit]] = {
         "acquire_timeout": Limit(0, above=True, why="seconds a pool may wait for its lower bound on a joined cluster"),
         "gpu_hour": Limit(0, why="a price per hour; 0 leaves money out of the cost report"),
         "cpu_hour": Limit(0, why="a price per hour; 0 leaves money out of the cost report"),
+        "log_samples": Limit(0, why="0 writes no samples"),
     },
     "reward": {"workers": NON_NEGATIVE, "timeout": Limit(0, why="seconds; 0: no limit")},
     "http reward": {"batch": POSITIVE, "timeout": Limit(0, why="seconds; 0: no limit"), "retries": NON_NEGATIVE,
@@ -393,7 +405,7 @@ KEY_LIMITS: dict[str, dict[str, Limit]] = {
 KEY_LIMITS["tool"] = KEY_LIMITS["env"]
 KEY_CHOICES: dict[str, dict[str, tuple[str, ...]]] = {
     "model": {"engine": ENGINES, "dtype": DTYPES},
-    "run": {"dedup_prefill": DEDUP_PREFILL},
+    "run": {"dedup_prefill": DEDUP_PREFILL, "export": EXPORT},
     "reward": {"on_error": ON_ERROR, "sandbox": SANDBOX},
     "http reward": {"on_error": ON_ERROR},
     "env": {"on_error": ENV_ON_ERROR},

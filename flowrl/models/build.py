@@ -23,7 +23,8 @@ from flowrl.models.attention import install as install_attention
 from flowrl.models.sources import hf_score_head, hf_source_problem, tiny_shape_problem, tiny_tokenizer
 from flowrl.models.tokenizer import ByteTokenizer, CharTokenizer, HFTokenizer, Tokenizer
 
-__all__ = ["ROLES", "SOURCES", "LoadedModel", "ModelSpec", "ValueModel", "build_model", "cache_kw", "copy_backbone"]
+__all__ = ["ROLES", "SOURCES", "LoadedModel", "ModelSpec", "ValueModel", "build_model", "cache_kw", "copy_backbone",
+           "tiny_config"]
 
 SOURCES = ("tiny:gpt2", "tiny:llama", "hf:/abs/path")
 ROLES = ("policy", "reference", "critic", "reward_model")
@@ -186,6 +187,15 @@ def _build_lm(spec: ModelSpec, dtype: torch.dtype) -> tuple[Any, Tokenizer]:
 
 
 def _tiny_lm(family: str, config: Mapping[str, object], tokenizer: ByteTokenizer | CharTokenizer) -> Any:
+    from transformers import GPT2LMHeadModel, LlamaForCausalLM
+
+    cfg = tiny_config(family, config, tokenizer)
+    return GPT2LMHeadModel(cfg) if family == "gpt2" else LlamaForCausalLM(cfg)
+
+
+def tiny_config(family: str, config: Mapping[str, object], tokenizer: ByteTokenizer | CharTokenizer) -> Any:
+    """The Hugging Face config (`GPT2Config` or `LlamaConfig`) of the `tiny:FAMILY` model `config` describes, whose
+    special ids are `tokenizer`'s: what `build_model` builds, and what `flowrl export` writes as config.json."""
     unknown = set(config) - _TINY_KEYS
     if unknown:
         raise ValueError(f"unknown tiny model keys {sorted(unknown)}; allowed: {sorted(_TINY_KEYS)}")
@@ -198,25 +208,23 @@ def _tiny_lm(family: str, config: Mapping[str, object], tokenizer: ByteTokenizer
     if problem is not None:
         raise ValueError(f"tiny:{family}: {problem[1]}")
     if family == "gpt2":
-        from transformers import GPT2Config, GPT2LMHeadModel
+        from transformers import GPT2Config
 
         # gelu_pytorch_tanh is GPT-2's tanh-approximate GELU as one fused kernel (gelu_new is four ops).
-        cfg = GPT2Config(
+        return GPT2Config(
             vocab_size=vocab, n_positions=context, n_embd=dim, n_layer=layers, n_head=heads,
             resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout,
             activation_function="gelu_pytorch_tanh",
             bos_token_id=tokenizer.BOS, eos_token_id=tokenizer.EOS, pad_token_id=tokenizer.PAD,
         )  # fmt: skip
-        return GPT2LMHeadModel(cfg)
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig
 
-    llama_cfg = LlamaConfig(
+    return LlamaConfig(
         vocab_size=vocab, hidden_size=dim, intermediate_size=4 * dim, num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=context,
         attention_dropout=dropout,
         bos_token_id=tokenizer.BOS, eos_token_id=tokenizer.EOS, pad_token_id=tokenizer.PAD,
     )  # fmt: skip
-    return LlamaForCausalLM(llama_cfg)
 
 
 def _int(config: Mapping[str, object], key: str, default: int | None = None) -> int:
@@ -240,13 +248,16 @@ def _check_special_ids(source: str, tokenizer: HFTokenizer, rows: int) -> None:
 
 
 def _take_score_head(value: ValueModel, lm: nn.Module) -> None:
-    """`value`'s head from a one-label sequence classifier's `score` (a bias-free (1, H) linear: bias 0)."""
+    """`value`'s head from a one-label sequence classifier's `score` (a bias-free (1, H) linear: bias 0, or the
+    `score_bias` config.json keeps where `flowrl export` could not fold a value head's bias, flowrl.models.export)."""
     score = getattr(lm, "score", None)
     if not isinstance(score, nn.Linear) or score.weight.shape != value.value_head.weight.shape:
         raise ValueError(f"cannot find the one-label `score` head of {type(lm).__name__} to score with")
+    kept = getattr(getattr(lm, "config", None), "score_bias", None)
+    bias = float(kept) if isinstance(kept, (int, float)) and not isinstance(kept, bool) else 0.0
     with torch.no_grad():
         value.value_head.weight.copy_(score.weight)
-        value.value_head.bias.copy_(score.bias if score.bias is not None else torch.zeros_like(value.value_head.bias))
+        value.value_head.bias.copy_(score.bias if score.bias is not None else torch.full_like(value.value_head.bias, bias))
 
 
 def _backbone_of(module: nn.Module) -> nn.Module:

@@ -1,4 +1,5 @@
-"""`math_equal` (flowrl.rewards): 1.0 when a response's final answer equals the row's `answer`, mathematically.
+"""`math_equal` (flowrl.rewards): 1.0 when a response's final answer equals the row's `answer` (or verl's
+`ground_truth`), mathematically.
 
 Answer extraction and equivalence are the `math-verify` package's (what open-r1 and TRL's math rewards use):
 `\\boxed{...}` first, else the last number or expression in the response; `\\frac{1}{2}`, `1/2` and `0.5` are
@@ -63,8 +64,16 @@ HELPERS = Helpers(GRADER)
 
 
 @reward("math_equal")
-def math_equal(prompt: str, response: str, answer: object = None, **_: object) -> float:
-    """1.0 when the response's final answer equals `answer` (see the module docstring), else 0.0."""
+def math_equal(prompt: str, response: str, answer: object = None, ground_truth: object = None,
+               reward_model: object = None, **_: object) -> float:
+    """1.0 when the response's final answer equals the row's reference answer (see the module docstring), else
+    0.0. The reference is `answer`, else `ground_truth` (what verl's reward functions take), else the
+    `ground_truth` of a `reward_model` column (verl's data layout: `reward_model: {"ground_truth": ..., "style":
+    "rule"}`), so a verl parquet file is scored with no `columns` mapping."""
+    if answer is None:
+        answer = ground_truth
+    if answer is None and isinstance(reward_model, dict):
+        answer = reward_model.get("ground_truth")
     if answer is None or not str(response).strip():
         return 0.0
     score = HELPERS.call([str(answer), str(response)], TIMEOUT_S)

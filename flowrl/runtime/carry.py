@@ -20,12 +20,23 @@ BACKBONE = "backbone."  # flowrl.models.build.ValueModel keeps its base transfor
 
 
 def checkpoint_weights(path: Path) -> dict[str, dict[str, torch.Tensor]]:
-    """Every model's weights in a checkpoint (`runner._save_checkpoint`), by model name."""
+    """Every model's weights in a checkpoint (`runner._save_checkpoint`), by model name, whole: a model held by
+    several groups is read from the one that trains it (a generation group of an asynchronous run may be versions
+    behind), and where DeepSpeed ZeRO-3 partitioned a tensor, the module's own state holds an empty placeholder and
+    the trainer's state the gathered tensor (`DeepSpeedTrainEngine.state_dict`)."""
     state = torch.load(path, map_location="cpu", weights_only=False)
     out: dict[str, dict[str, torch.Tensor]] = {}
+    trained: set[str] = set()
     for group in state["groups"].values():
         for model, s in group.items():
-            out.setdefault(model, {k: v.detach().cpu() for k, v in s["module"].items()})
+            trainer = s.get("optim") if isinstance(s.get("optim"), Mapping) else None
+            if model in trained or (model in out and trainer is None):
+                continue
+            whole = trainer.get("module", {}) if trainer is not None else {}
+            out[model] = {k: (whole[k] if v.numel() == 0 and k in whole else v).detach().cpu()
+                          for k, v in s["module"].items()}
+            if trainer is not None:
+                trained.add(model)
     return out
 
 

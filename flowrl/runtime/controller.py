@@ -17,7 +17,7 @@ from flowrl.errors import Diagnostic, ExecutionError, FlowError, user_frame_hint
 from flowrl.ir.graph import Graph, Node
 from flowrl.runtime import interrupt
 from flowrl.runtime.batch import Batch, training_batch
-from flowrl.runtime.functions import call_function
+from flowrl.runtime.functions import call_function, trajectory_returns
 from flowrl.runtime.fusion import StageRun, run_stage
 from flowrl.runtime.lengths import LengthTracker
 from flowrl.runtime.preference_update import EVAL_REF
@@ -243,9 +243,11 @@ def _prompt_batch(loader: PromptLoader) -> Batch:
 
 
 def _summary(graph: Graph, values: Mapping[str, Batch]) -> dict[str, float]:
-    """The per-step metrics every run reports (reward, lengths, KL to the reference)."""
+    """The per-step metrics every run reports (reward, lengths, KL to the reference). `reward_mean` (the headline
+    the progress bar shows) is what the policy optimises: the first reward's score plus the environment's return
+    (each part also as `reward/NAME` and `env/return_mean`)."""
     out: dict[str, float] = {}
-    rollout = next((values[n.id] for n in graph.nodes if n.op == "generate" and n.id in values), None)
+    rollout = step_rollout(graph, values)
     if rollout is not None:
         # generated tokens: a rollout from an environment also holds observation tokens, which are not generated
         lens = rollout["loss_mask" if "loss_mask" in rollout.tensors else "response_mask"].sum(1).float()
@@ -253,13 +255,13 @@ def _summary(graph: Graph, values: Mapping[str, Batch]) -> dict[str, float]:
         out["gen_tokens"] = float(lens.sum())
         if "env_turns" in rollout.tensors:
             out.update(env_metrics(rollout))
-    rewards = [n for n in graph.nodes if n.op in ("reward", "score") and n.id in values]
-    for i, n in enumerate(rewards):
-        mean = float(values[n.id]["scores"].mean())
-        out[f"reward/{n.id}"] = mean
-        if i == 0:
-            out["reward_mean"] = mean
-            out["reward_std"] = float(values[n.id]["scores"].std()) if values[n.id].size > 1 else 0.0
+    for n in graph.nodes:
+        if n.op in ("reward", "score") and n.id in values:
+            out[f"reward/{n.id}"] = float(values[n.id]["scores"].mean())
+    headline = step_returns(graph, values)
+    if headline is not None:  # (B,)
+        out["reward_mean"] = float(headline.mean())
+        out["reward_std"] = float(headline.std()) if headline.numel() > 1 else 0.0
     for n in graph.nodes:
         old, ref = n.input("old_logp"), n.input("ref_logp")
         if n.op == "update" and old is not None and ref is not None and old in values and ref in values:
@@ -269,6 +271,26 @@ def _summary(graph: Graph, values: Mapping[str, Batch]) -> dict[str, float]:
             out["kl_mean"] = float(diff.sum() / mask.sum().clamp(min=1))
             break
     return out
+
+
+def step_rollout(graph: Graph, values: Mapping[str, Batch]) -> Batch | None:
+    """The step's rollout: the first generate node's output, if the step generated."""
+    return next((values[n.id] for n in graph.nodes if n.op == "generate" and n.id in values), None)
+
+
+def step_returns(graph: Graph, values: Mapping[str, Batch]) -> torch.Tensor | None:
+    """What the policy optimises, per trajectory (B,): the first reward's score plus the environment's return where
+    the rollout had one, as the advantages add them (`functions.trajectory_returns`); the environment's return
+    alone when no reward was declared; None for a step that scored nothing. A reward model's scores may not carry
+    `env_return`: the rollout's is the same samples' then."""
+    rollout = step_rollout(graph, values)
+    scores = next((values[n.id] for n in graph.nodes if n.op in ("reward", "score") and n.id in values), None)
+    env = rollout.tensors.get("env_return") if rollout is not None else None
+    if scores is None:
+        return env.float() if env is not None else None
+    if "env_return" not in scores.tensors and env is not None and env.shape[0] == scores.size:
+        return scores["scores"].float() + env.float()
+    return trajectory_returns(scores)
 
 
 def env_metrics(rollout: Batch) -> dict[str, float]:

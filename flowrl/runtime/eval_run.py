@@ -25,21 +25,23 @@ from typing import Any
 import torch
 
 from flowrl import registry
-from flowrl.data.tables import read_data
 from flowrl.errors import DataError, Diagnostic, FlowError, Loc
-from flowrl.ir.graph import ModelDecl, RewardDecl, frozen
+from flowrl.ir.graph import DataDecl, ModelDecl, RewardDecl, frozen
 from flowrl.models.sources import device_problem
 from flowrl.runtime.batch import Batch
 from flowrl.runtime.evaluation import (
     EvalSpec,
     Outcome,
+    Rows,
+    data_rows,
     eval_seed,
     extractor_for,
+    fitting,
     generate_all,
     outcome,
     score_all,
-    write_samples,
 )
+from flowrl.runtime.samples import append_samples, with_kind
 from flowrl.runtime.scoring import Scorer, make_scorer
 from flowrl.runtime.worker import ModelWorker
 
@@ -66,13 +68,13 @@ class PolicyEval:
     def generate(self, prompts: Batch, attrs: dict[str, Any], seed: int) -> Batch:
         return self.worker.generate(self.model, prompts, attrs, step_seed=seed)
 
-    def evaluate(self, rows: Sequence[Mapping[str, Any]], spec: EvalSpec, scorer: Scorer, *, seed: int, step: int,
-                 prompt_key: str = "prompt", answers: bool = True, reward_target: str = "") -> Outcome:
-        """`rows` answered `spec.n` times each with the run's seed `seed` at `step` and scored (`answers`: maj@K
-        with the answer reader of `reward_target`)."""
+    def evaluate(self, rows: Rows, spec: EvalSpec, scorer: Scorer, *, seed: int, step: int, prompt_key: str = "prompt",
+                 reward_target: str = "", data: str = "") -> Outcome:
+        """Numbered `rows` (place in the data set, row) answered `spec.n` times each with the run's seed `seed` at
+        `step` and scored (maj@K with the answer reader of `reward_target`, when given)."""
         rollouts = generate_all(self.generate, rows, prompt_key, spec, eval_seed(seed, step, spec.name))
-        extractor = extractor_for(reward_target) if answers and reward_target else None
-        return outcome(rollouts, score_all(rollouts, scorer), spec.n, extractor, step=step, name=spec.name)
+        extractor = extractor_for(reward_target) if reward_target else None
+        return outcome(rollouts, score_all(rollouts, scorer), spec.n, extractor, data)
 
 
 @dataclass(frozen=True)
@@ -89,7 +91,8 @@ class Evaluated:
     data: str
     checkpoint: str | None = None
     stage: str | None = None
-    samples: list[dict[str, Any]] = field(default_factory=list)
+    samples: list[dict[str, Any]] = field(default_factory=list)  # as OUT/samples.jsonl holds them (kind eval/NAME)
+    left_out: str | None = None  # the prompts too long for the model, said (None: none)
 
     def summary(self) -> dict[str, Any]:
         """The `--json` object: every figure, `rows` and `step` (and `stage` for a pipeline)."""
@@ -125,9 +128,7 @@ def evaluate(run_dir: str | Path, *, data: str | Path, reward: str | None = None
     decl = next((d for d in g.get("data", []) if matched is not None and d["name"] == matched["data"]), None)
     options: dict[str, Any] = dict(decl["options"]) if decl is not None else {}
     prompt_key = str(options.get("prompt_key", "prompt"))
-    rows = _rows(Path(data), prompt_key)
-    limit = int(options.get("limit", 0) or 0)
-    rows = rows[:limit] if limit else rows
+    rows = _rows(Path(data), prompt_key, options)
     gen = next((x for x in g.get("nodes", []) if x["op"] == "generate" and x["model"] == name), None)
     spec = EvalSpec(
         block["name"] if block is not None else "eval",
@@ -142,21 +143,22 @@ def evaluate(run_dir: str | Path, *, data: str | Path, reward: str | None = None
         reward_decl = _reward(g, reward, block)
         scorer = make_scorer(reward_decl, imports=tuple(g.get("imports", [])), folder=folder)
     try:
+        numbered, left_out = fitting(rows, prompt_key, next(m for m in decls if m.name == name), spec, spec.name)
         policy = PolicyEval(decls, name, seed=where.seed, device=device or where.device)
         policy.load(where.weights)
-        got = policy.evaluate(rows, spec, scorer, seed=where.seed, step=where.run_step, prompt_key=prompt_key,
-                              reward_target=reward_decl.target if reward_decl.kind == "python" else "")
+        got = policy.evaluate(numbered, spec, scorer, seed=where.seed, step=where.run_step, prompt_key=prompt_key,
+                              reward_target=reward_decl.target if reward_decl.kind == "python" else "",
+                              data=str(matched["data"]) if matched is not None else str(data))
     finally:
         scorer.close()
-    for s in got.samples:
-        s["step"] = where.step
+    records = with_kind(f"eval/{spec.name}", got.samples, where.step)
     if samples is not None:
         out = Path(samples)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text("", encoding="utf-8")
-        write_samples(out, got.samples)
+        append_samples(out, records)
     return Evaluated(got.metrics, got.rows, where.step, name, spec.name, spec.n, reward_decl.target, str(data),
-                     None if where.checkpoint is None else str(where.checkpoint), where.stage, got.samples)
+                     None if where.checkpoint is None else str(where.checkpoint), where.stage, records, left_out)
 
 
 def reward_scorer(target: str) -> Scorer:
@@ -321,12 +323,14 @@ def _gen_max_tokens(gen: Mapping[str, Any] | None, where: _RunDir) -> int:
 # ---- data and reward ----------------------------------------------------------------------------------------------
 
 
-def _rows(path: Path, prompt_key: str) -> list[dict[str, Any]]:
-    """The rows of a data file, by its kind: a .parquet file, a `datasets` directory, else JSONL."""
+def _rows(path: Path, prompt_key: str, options: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The rows of a data file, by its kind (a .parquet file, a `datasets` directory, else JSONL), read as the eval
+    block's data declaration reads them (`options`: its `limit` and `columns`; none for another file)."""
     if not path.exists():
         raise DataError(Diagnostic(f"eval: data file not found: {path}"))
     kind = "datasets" if path.is_dir() else "parquet" if path.suffix == ".parquet" else "jsonl"
-    return read_data(kind, path, prompt_key)
+    decl = DataDecl("eval", kind, str(path), Loc(str(path), 1, 1), frozen(options))
+    return data_rows(decl)
 
 
 def _reward(g: Mapping[str, Any], reward: str | None, block: Mapping[str, Any] | None) -> RewardDecl:

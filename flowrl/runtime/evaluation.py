@@ -16,26 +16,34 @@ reward plus the environment's), as the step trains on.
 Sampling is seeded like training draws: the seed of (run seed, step, eval name) and each prompt's row in the data
 set as its slot, which key every sample's random stream (flowrl.engines.sampling); so the numbers do not depend on
 the backend, how the prompts are split, or anything training drew. Prompts are generated `MAX_SAMPLES_PER_CALL`
-samples at a time. Evaluation reads its own rows and its own scorers: no training state is touched.
+samples at a time. Evaluation reads its own rows (the data declaration's `columns` applied, prompts longer than
+the model leaves them beside `max_tokens` left out and counted, as training's are) and scores with its own
+scorers: no training state is touched. Every answer is a sample record (`row_id`: its prompt's place in the data
+set, `sample`, `prompt`, `response`, `reward`, `response_tokens`, `data_source` and the vote's `answer` where
+there are): the runner sends them to its sinks as kind `eval/NAME` (OUT/samples.jsonl, the trackers' tables).
 """
 
 from __future__ import annotations
 
-import json
 import os
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from flowrl.algos.pass_at_k import majority, pass_at_k, report_ks
+from flowrl.data.chat import render_chat
+from flowrl.data.paths import columns_of, with_columns
 from flowrl.data.tables import is_chat, prompt_plain, read_data
-from flowrl.ir.graph import DataDecl, EvalDecl, Graph, Node
+from flowrl.errors import Diagnostic, FlowError
+from flowrl.ir.graph import DataDecl, EvalDecl, Graph, ModelDecl, Node
 from flowrl.registry import resolve_reward
 from flowrl.rewards.answers import Extractor, extractor_of
 from flowrl.runtime.batch import Batch
 from flowrl.runtime.controller import Span
+from flowrl.runtime.overlong import tokenizer_of
+from flowrl.runtime.prompts import PromptEncoder
 from flowrl.runtime.protocol import WorkerGroup
 from flowrl.runtime.scoring import Scorer, make_scorer
 
@@ -43,9 +51,9 @@ MAX_SAMPLES_PER_CALL = 1024  # samples a generate call holds (prompts per call: 
 RIGHT = 1.0  # a sample whose reward is at least this counts as right (pass@k, maj@K)
 SOURCE_KEY = "data_source"  # the column an evaluation's metrics are split by (verl's)
 EVAL_OP = "eval"  # the op of eval spans in trace.json (flowrl timeline)
-EVAL_SAMPLES = "eval_samples.jsonl"  # a run directory's file of every evaluated sample
 
 Generate = Callable[[Batch, dict[str, Any], int], Batch]  # (prompts, generate attrs, step seed) -> rollout
+Rows = list[tuple[int, dict[str, Any]]]  # (the row's place in the data set, the row)
 
 
 @dataclass(frozen=True)
@@ -82,30 +90,53 @@ def eval_seed(seed: int, step: int, name: str) -> int:
 
 
 def data_rows(decl: DataDecl) -> list[dict[str, Any]]:
-    """An eval data set's rows as training reads a data declaration (its reader, `prompt_key`, `limit`); every row,
-    a `held_out` column notwithstanding."""
+    """An eval data set's rows as training reads a data declaration (its reader, `prompt_key`, `limit`, `columns`);
+    every row, a `held_out` column notwithstanding."""
     opts: dict[str, Any] = dict(decl.options)
     rows = read_data(decl.kind, decl.path, str(opts.get("prompt_key", "prompt")))
     limit = int(opts.get("limit", 0) or 0)
-    return rows[:limit] if limit else rows
+    return with_columns(rows[:limit] if limit else rows, columns_of(opts.get("columns")), decl.path)
 
 
-def prompt_batch(rows: Sequence[Mapping[str, Any]], prompt_key: str, first: int = 0) -> Batch:
-    """Rows `first`, `first` + 1, ... as a prompt batch (what a step's data node gives), each keyed by its row."""
-    prompts = [row.get(prompt_key, "") for row in rows]
-    ids = list(range(first, first + len(rows)))
-    meta: dict[str, list[Any]] = {"prompt": [prompt_plain(p) for p in prompts], "row": [dict(r) for r in rows],
+def fitting(rows: Sequence[Mapping[str, Any]], prompt_key: str, decl: ModelDecl, spec: EvalSpec,
+            name: str) -> tuple[Rows, str | None]:
+    """The rows whose prompt fits `decl`'s context beside `spec.max_tokens` (as flowrl.runtime.overlong filters a
+    step's), each with its place in the data set, and a line saying how many were left out (None: none). A generate
+    in an environment budgets whole trajectories: nothing is left out. FlowError when no prompt fits."""
+    numbered = [(i, dict(r)) for i, r in enumerate(rows)]
+    if spec.env is not None:
+        return numbered, None
+    enc = PromptEncoder(tokenizer_of(decl), int(str(decl.config.get("context", 512) or 512)))
+    room = enc.room(spec.max_tokens)
+    lengths = [len(enc.tokens(render_chat(p, enc.tokenizer) if is_chat(p) else str(p)))
+               for p in (r.get(prompt_key, "") for _, r in numbered)]
+    kept = [x for x, length in zip(numbered, lengths, strict=True) if length <= room]
+    if len(kept) == len(numbered):
+        return kept, None
+    said = (f"{len(numbered) - len(kept)} of {len(numbered)} prompts are longer than the {room} tokens model "
+            f"`{decl.name}` leaves them (context {enc.context}, max_tokens {spec.max_tokens}; the longest has "
+            f"{max(lengths)})")
+    if not kept:
+        raise FlowError(Diagnostic(f"eval `{name}`: every prompt is too long: {said}",
+                                   hint="lower `max_tokens`, or use a model with more positions"))
+    return kept, f"eval `{name}`: {said}; they are left out of the evaluation"
+
+
+def prompt_batch(rows: Rows, prompt_key: str) -> Batch:
+    """Numbered rows as a prompt batch (what a step's data node gives), each keyed by its place in the data set."""
+    prompts = [row.get(prompt_key, "") for _, row in rows]
+    ids = [i for i, _ in rows]
+    meta: dict[str, list[Any]] = {"prompt": [prompt_plain(p) for p in prompts], "row": [row for _, row in rows],
                                   "prompt_id": ids, "prompt_slot": ids}
     if any(is_chat(p) for p in prompts):  # the generating worker renders these with its model's chat template
         meta["messages"] = [p if is_chat(p) else None for p in prompts]
     return Batch(len(rows), {}, meta)
 
 
-def generate_all(generate: Generate, rows: Sequence[Mapping[str, Any]], prompt_key: str, spec: EvalSpec,
-                 seed: int) -> list[Batch]:
+def generate_all(generate: Generate, rows: Rows, prompt_key: str, spec: EvalSpec, seed: int) -> list[Batch]:
     """Every row's `spec.n` answers, a call per `MAX_SAMPLES_PER_CALL` samples (rollouts in row order)."""
     per_call = max(1, MAX_SAMPLES_PER_CALL // spec.n)
-    return [generate(prompt_batch(rows[i:i + per_call], prompt_key, i), spec.attrs(), seed)
+    return [generate(prompt_batch(rows[i:i + per_call], prompt_key), spec.attrs(), seed)
             for i in range(0, len(rows), per_call)]
 
 
@@ -130,7 +161,7 @@ def score_all(rollouts: Sequence[Batch], scorer: Scorer) -> list[float]:
 
 
 def outcome(rollouts: Sequence[Batch], rewards: Sequence[float], n: int, extractor: Extractor | None,
-            *, step: int = 0, name: str = "") -> Outcome:
+            data: str = "") -> Outcome:
     """The figures of scored rollouts (see the module docstring) and their samples' records."""
     samples: list[dict[str, Any]] = []
     seen: dict[int, int] = {}
@@ -141,9 +172,9 @@ def outcome(rollouts: Sequence[Batch], rewards: Sequence[float], n: int, extract
             row_id = int(r.meta["prompt_id"][i])
             j = seen[row_id] = seen.get(row_id, -1) + 1
             row = r.meta["row"][i]
-            rec: dict[str, Any] = {"step": step, "eval": name, "row": row_id, "sample": j,
-                                   "prompt": r.meta["prompt"][i], "response": r.meta["response"][i],
-                                   "reward": 0.0, "response_len": int(lengths[i])}
+            rec: dict[str, Any] = {"data": data, "row_id": row_id, "sample": j, "prompt": r.meta["prompt"][i],
+                                   "response": r.meta["response"][i], "reward": 0.0,
+                                   "response_tokens": int(lengths[i])}
             if isinstance(row, Mapping) and SOURCE_KEY in row:
                 rec[SOURCE_KEY] = str(row[SOURCE_KEY])
             if extractor is not None:
@@ -161,11 +192,11 @@ def outcome(rollouts: Sequence[Batch], rewards: Sequence[float], n: int, extract
 
 
 def summarize(samples: Sequence[Mapping[str, Any]], n: int, answers: bool) -> dict[str, float]:
-    """mean@K, pass@k, maj@K and response_len_mean of scored sample records (each with row, reward, response_len,
-    and with `answers` an extracted answer)."""
+    """mean@K, pass@k, maj@K and response_len_mean of scored sample records (each with row_id, reward,
+    response_tokens, and with `answers` an extracted answer)."""
     by_row: dict[int, list[Mapping[str, Any]]] = {}
     for s in samples:
-        by_row.setdefault(int(s["row"]), []).append(s)
+        by_row.setdefault(int(s["row_id"]), []).append(s)
     groups = list(by_row.values())
     if not groups:
         return {}
@@ -178,7 +209,7 @@ def summarize(samples: Sequence[Mapping[str, Any]], n: int, answers: bool) -> di
         votes = [majority([s.get("answer") for s in g]) for g in groups]
         out[f"maj@{n}"] = sum(float(g[v]["reward"]) >= RIGHT for g, v in zip(groups, votes, strict=True)
                               if v is not None) / len(groups)
-    out["response_len_mean"] = sum(int(s["response_len"]) for s in samples) / len(samples)
+    out["response_len_mean"] = sum(int(s["response_tokens"]) for s in samples) / len(samples)
     return out
 
 
@@ -204,13 +235,6 @@ def eval_only(row: Mapping[str, Any]) -> bool:
                for k in row)
 
 
-def write_samples(path: Path, samples: Sequence[Mapping[str, Any]]) -> None:
-    """Append sample records to a JSONL file (a run's `eval_samples.jsonl`)."""
-    if samples:
-        with path.open("a", encoding="utf-8") as f:
-            f.writelines(json.dumps(dict(s), sort_keys=True) + "\n" for s in samples)
-
-
 def eval_group(graph: Graph, model: str, asynchronous: bool = False) -> tuple[str, str]:
     """(worker group, dispatch) an evaluation of `model` generates on: the group of the step's generate of it,
     whose weights are synced after each update; in an asynchronous run the group that trains it (the generation
@@ -228,18 +252,19 @@ def eval_group(graph: Graph, model: str, asynchronous: bool = False) -> tuple[st
 
 @dataclass
 class EvalStep:
-    """What a step's evaluations add: metrics (`eval/NAME/...`, `time/eval/NAME`), spans, sample records."""
+    """What a step's evaluations add: metrics (`eval/NAME/...`, `time/eval/NAME`), spans, and each evaluation's
+    sample records by its name (what the runner hands its sinks as kind `eval/NAME`)."""
 
     metrics: dict[str, float] = field(default_factory=dict)
     spans: list[Span] = field(default_factory=list)
-    samples: list[dict[str, Any]] = field(default_factory=list)
+    samples: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
 
 
 @dataclass
 class _Eval:
     decl: EvalDecl
     spec: EvalSpec
-    rows: list[dict[str, Any]]
+    rows: Rows
     prompt_key: str
     scorer: Scorer
     extractor: Extractor | None
@@ -261,12 +286,14 @@ class Evaluations:
         try:
             for e in graph.evals:
                 gen = next((n for n in graph.nodes if n.op == "generate" and n.model == e.model), None)
-                reward = rewards[e.reward]
+                reward, spec = rewards[e.reward], EvalSpec.of(e, gen)
                 group, dispatch = eval_group(graph, e.model, asynchronous)
+                key = str(data[e.data].options.get("prompt_key", "prompt"))
+                rows, dropped = fitting(data_rows(data[e.data]), key, graph.model(e.model), spec, e.name)
+                if dropped is not None:  # said now, as training's overlong prompts are
+                    print(f"warning: {dropped}", file=sys.stderr, flush=True)
                 # scorers of its own: an evaluation never shares a training reward's workers or error counts
-                self.items.append(_Eval(e, EvalSpec.of(e, gen), data_rows(data[e.data]),
-                                        str(data[e.data].options.get("prompt_key", "prompt")),
-                                        make_scorer(reward, imports=graph.imports, folder=folder),
+                self.items.append(_Eval(e, spec, rows, key, make_scorer(reward, imports=graph.imports, folder=folder),
                                         extractor_for(reward.target, reward.kind), group, dispatch))
         except BaseException:
             self.close()
@@ -291,15 +318,14 @@ class Evaluations:
             g0 = time.perf_counter()
             rollouts = generate_all(generate, e.rows, e.prompt_key, e.spec, eval_seed(self.seed, step, e.decl.name))
             s0 = time.perf_counter()
-            got = outcome(rollouts, score_all(rollouts, e.scorer), e.decl.n, e.extractor, step=step,
-                          name=e.decl.name)
+            got = outcome(rollouts, score_all(rollouts, e.scorer), e.decl.n, e.extractor, e.decl.data)
             s1 = time.perf_counter()
             name = f"eval/{e.decl.name}"
             out.metrics.update({f"{name}/{k}": v for k, v in got.metrics.items()})
             out.metrics[f"time/{name}"] = s1 - g0
             out.spans += [Span(name, EVAL_OP, e.group, step, g0 - self.t0, s0 - g0),
                           Span(f"{name}.score", EVAL_OP, "controller", step, s0 - self.t0, s1 - s0)]
-            out.samples += got.samples
+            out.samples[e.decl.name] = got.samples
         return out
 
     def close(self) -> None:

@@ -77,8 +77,9 @@ def _declared_scores(scores: Batch) -> torch.Tensor:
     return scores.value("scores").float()
 
 
-def _trajectory_scores(scores: Batch) -> torch.Tensor:
-    """A trajectory's return (B,): its declared score plus the sum of its environment's turn rewards."""
+def trajectory_returns(scores: Batch) -> torch.Tensor:
+    """A trajectory's return (B,): its declared score plus the sum of its environment's turn rewards (what the
+    advantages optimise; the run's `reward_mean` reports it too)."""
     s = _declared_scores(scores)
     env = scores.tensors.get("env_return")
     return s if env is None else s + env.float()
@@ -102,7 +103,7 @@ def group_advantage(scores: Batch, *, group: int, norm_std: bool = True, eps: fl
         adv = turn_advantages(scores["turn_rewards"], scores["turn_index"], _loss_mask(scores),
                               _declared_scores(scores), ids, norm_std=norm_std, eps=eps)  # (B, T)
     else:
-        adv = grpo_advantages(_trajectory_scores(scores), ids, norm_std=norm_std, eps=eps)  # (B,)
+        adv = grpo_advantages(trajectory_returns(scores), ids, norm_std=norm_std, eps=eps)  # (B,)
     return scores.derive("advantages", advantages=adv)
 
 
@@ -113,7 +114,7 @@ def rloo_advantage(scores: Batch, *, group: int, turns: str = "trajectory") -> B
         adv = turn_rloo_advantages(scores["turn_rewards"], scores["turn_index"], _loss_mask(scores),
                                    _declared_scores(scores), ids)  # (B, T)
     else:
-        adv = rloo_advantages(_trajectory_scores(scores), ids)  # (B,)
+        adv = rloo_advantages(trajectory_returns(scores), ids)  # (B,)
     return scores.derive("advantages", advantages=adv)
 
 

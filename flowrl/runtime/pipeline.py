@@ -33,6 +33,7 @@ from flowrl.runtime import report
 from flowrl.runtime.carry import Weights, checkpoint_weights
 from flowrl.runtime.protocol import Backend
 from flowrl.runtime.runner import last_checkpoint, run
+from flowrl.runtime.tracking import Draw
 
 STAGES_DIR = "stages"
 MODELS = "models.pt"
@@ -61,9 +62,11 @@ def _no_bar(stage: Stage) -> Iterator[StepFn | None]:
 def run_pipeline(pipe: Pipeline, *, out_dir: str | Path, backend: Callable[[Stage], Backend],
                  seed: int | None = None, resume: bool = False, overwrite: bool = False, device: str | None = None,
                  only: str | None = None,
-                 bar: Callable[[Stage], AbstractContextManager[StepFn | None]] = _no_bar) -> PipelineResult:
+                 bar: Callable[[Stage], AbstractContextManager[StepFn | None]] = _no_bar,
+                 draw: Draw | None = None) -> PipelineResult:
     """Run `pipe`'s stages in order (`backend(stage)` makes each stage's backend, not started); `bar(stage)` gives
-    a context whose value is called with each step's row (a progress bar per stage)."""
+    a context whose value is called with each step's row (a progress bar per stage); `draw` draws a stage's graph
+    for its experiment trackers (`runner.run`'s)."""
     out = Path(out_dir)
     order = pipe.names
     if only is not None:
@@ -107,7 +110,7 @@ def run_pipeline(pipe: Pipeline, *, out_dir: str | Path, backend: Callable[[Stag
         _save_state(out, pipe, state, notes)
         rows = _run_stage(stage, out, offset, backend(stage), init=start_weights(stage.graph, carried),
                           resume=ckpt is not None, seed=seed, device=device,
-                          bar=bar)
+                          bar=bar, draw=draw)
         weights = checkpoint_weights(_final_checkpoint(sdir))
         _save_models(sdir, weights)
         carried.update(weights)
@@ -136,7 +139,8 @@ def start_weights(graph: Graph, carried: Mapping[str, Weights]) -> dict[str, Wei
 
 def _run_stage(stage: Stage, out: Path, offset: int, backend: Backend, *, init: Mapping[str, Weights], resume: bool,
                seed: int | None, device: str | None,
-               bar: Callable[[Stage], AbstractContextManager[StepFn | None]]) -> list[dict[str, Any]]:
+               bar: Callable[[Stage], AbstractContextManager[StepFn | None]],
+               draw: Draw | None = None) -> list[dict[str, Any]]:
     top = out / "metrics.jsonl"
     with bar(stage) as shown:
         def on_step(step: int, row: dict[str, Any]) -> None:
@@ -145,7 +149,7 @@ def _run_stage(stage: Stage, out: Path, offset: int, backend: Backend, *, init: 
                 shown(step, row)
 
         result = run(stage.graph, out_dir=stage_dir(out, stage.name), backend=backend, seed=seed, resume=resume,
-                     overwrite=not resume, device=device, on_step=on_step, init_weights=init)
+                     overwrite=not resume, device=device, on_step=on_step, init_weights=init, draw=draw)
     return result.metrics
 
 

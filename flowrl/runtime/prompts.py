@@ -22,14 +22,18 @@ class PromptEncoder:
     tokenizer: Tokenizer
     context: int
 
+    def tokens(self, text: str) -> list[int]:
+        """A prompt's whole token ids, BOS first where the tokenizer has one."""
+        row = self.tokenizer.encode(text)
+        return [self.tokenizer.bos_id, *row] if self.tokenizer.bos_id is not None else row
+
+    def room(self, max_tokens: int) -> int:
+        """The most prompt tokens that leave `max_tokens` of the context for the response (at least one); a run
+        leaves longer prompts out of its data at the start (flowrl.runtime.overlong), so none is cut here."""
+        return max(1, self.context - max_tokens)
+
     def ids(self, texts: Sequence[str], max_tokens: int) -> list[list[int]]:
-        tok, out = self.tokenizer, []
-        for text in texts:
-            row = tok.encode(text)
-            if tok.bos_id is not None:
-                row = [tok.bos_id, *row]
-            out.append(row[-max(1, self.context - max_tokens):])
-        return out
+        return [self.tokens(text)[-self.room(max_tokens):] for text in texts]
 
 
 def prompt_texts(prompts: Batch, tokenizer: Tokenizer) -> list[str]:

@@ -72,6 +72,13 @@ def render_graph(graph: Graph, output: str | Path, stage: str = "optimized",
     return write(draw(graph, _stage(stage), loaded), output)
 
 
+def draw_into(graph: Graph, folder: str | Path) -> Path:
+    """graph.svg (the optimized view) in `folder`, or its DOT source graph.dot where graphviz's `dot` program is
+    missing: the drawing a run's experiment trackers get (`run { log }`, flowrl.runtime.tracking)."""
+    fmt = "svg" if shutil.which("dot") is not None else "dot"
+    return write(draw(graph, "optimized"), Path(folder) / f"graph.{fmt}")
+
+
 def render(path: str, output: str | Path, stage: str = "optimized", timings: str | Path | None = None,
            sets: Sequence[str] = ()) -> Path:
     """Compile the flow at `path` (no passes for the parsed stage) and draw it into OUT; a flow with `stage`
@@ -92,4 +99,4 @@ def render(path: str, output: str | Path, stage: str = "optimized", timings: str
     return render_graph(flow, output, stage, timings)
 
 
-__all__ = ["FORMATS", "STAGES", "draw", "render", "render_graph", "write"]
+__all__ = ["FORMATS", "STAGES", "draw", "draw_into", "render", "render_graph", "write"]

@@ -243,17 +243,18 @@ stage ppo {{ use ppo(reward = rm, group = 2, max_tokens = 4) }}
 """
 
 
-def test_prompts_and_pairs_longer_than_the_checkpoints_positions_are_cut_to_them(tmp_path: Path) -> None:
-    """A demonstration, a pair and a prompt each longer than the checkpoint's 64 positions are fitted to them, as a
-    tiny model's are to its `context`: the graph's config carries the checkpoint's positions (the workers used 512
-    for every hf: model, and the position embeddings' lookup failed with an IndexError)."""
+def test_pairs_longer_than_the_checkpoints_positions_are_cut_and_prompts_left_out(tmp_path: Path) -> None:
+    """A demonstration and a pair longer than the checkpoint's 64 positions are fitted to them, as a tiny model's
+    are to its `context`: the graph's config carries the checkpoint's positions (the workers used 512 for every
+    hf: model, and the position embeddings' lookup failed with an IndexError). A prompt too long to generate from
+    is left out of the run, said in run.json (flowrl.runtime.overlong), and the prompt that fits trains."""
     ckpt = tmp_path / "ckpt"
     hf_checkpoint(ckpt, CHARSET)
     long_prompt = "12+34=" * 12  # 72 tokens
     rows: dict[str, list[dict[str, object]]] = {
         "demos": [{"prompt": long_prompt, "response": "46" * 20}] * 2,
         "pairs": [{"prompt": long_prompt, "chosen": "46" * 20, "rejected": "47" * 20}] * 2,
-        "prompts": [{"prompt": long_prompt, "answer": 46}] * 2}
+        "prompts": [{"prompt": long_prompt, "answer": 46}, {"prompt": "12+34=", "answer": 46}]}
     for name, table in rows.items():
         (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in table), encoding="utf-8")
     (tmp_path / "long.flow").write_text(LONG_FLOW.format(ckpt=ckpt), encoding="utf-8")
@@ -264,6 +265,8 @@ def test_prompts_and_pairs_longer_than_the_checkpoints_positions_are_cut_to_them
     assert [r["stage"] for r in result.metrics] == ["sft", "rm", "ppo"]
     assert all(finite(r) for r in result.metrics)
     assert result.metrics[-1]["gen_tokens"] > 0
+    left_out = json.loads((tmp_path / "out" / "stages" / "ppo" / "run.json").read_text())["overlong_prompts"]
+    assert [(o["data"], o["dropped"], o["rows"], o["room"]) for o in left_out] == [("prompts", 1, 2, POSITIONS - 4)]
 
 
 def test_ppo_scores_with_a_reward_model_checkpoints_own_head(tmp_path: Path) -> None:

@@ -64,7 +64,9 @@ def training(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def samples(run: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in (run / "eval_samples.jsonl").read_text().splitlines()]
+    """The evaluation's samples in the run's samples.jsonl."""
+    rows = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
+    return [r for r in rows if r["kind"] == "eval/held"]
 
 
 def flowrl_eval(capsys: pytest.CaptureFixture[str], *args: str) -> dict[str, Any]:
@@ -110,7 +112,7 @@ def test_evaluations_land_on_their_steps_with_figures_the_samples_give(
                              ("high/", [s for s in mine if s["data_source"] == "high"])):
             by_row: dict[int, list[dict[str, Any]]] = {}
             for s in sorted(part, key=lambda s: s["sample"]):
-                by_row.setdefault(s["row"], []).append(s)
+                by_row.setdefault(s["row_id"], []).append(s)
             assert {len(v) for v in by_row.values()} == {4}
             right = [sum(s["reward"] == 1.0 for s in v) for v in by_row.values()]
             assert got[f"{source}mean@4"] == pytest.approx(sum(s["reward"] for s in part) / len(part))
@@ -120,7 +122,7 @@ def test_evaluations_land_on_their_steps_with_figures_the_samples_give(
             assert got[f"{source}maj@4"] == pytest.approx(
                 sum(majority_reward(v) for v in by_row.values()) / len(by_row))
             assert got[f"{source}response_len_mean"] == pytest.approx(
-                sum(s["response_len"] for s in part) / len(part))
+                sum(s["response_tokens"] for s in part) / len(part))
     assert any(0 < evals(r)["pass@1"] < evals(r)["pass@4"] < 1 for r in rows if "eval/held/pass@1" in r)
     spans = [e for e in json.loads((folder / "out" / "trace.json").read_text())["traceEvents"]
              if e.get("cat") == "eval"]  # what `flowrl timeline` draws
