@@ -128,7 +128,7 @@ def evaluate(run_dir: str | Path, *, data: str | Path, reward: str | None = None
     decl = next((d for d in g.get("data", []) if matched is not None and d["name"] == matched["data"]), None)
     options: dict[str, Any] = dict(decl["options"]) if decl is not None else {}
     prompt_key = str(options.get("prompt_key", "prompt"))
-    rows = _rows(Path(data), prompt_key, options)
+    rows = _rows(Path(data), options)
     gen = next((x for x in g.get("nodes", []) if x["op"] == "generate" and x["model"] == name), None)
     spec = EvalSpec(
         block["name"] if block is not None else "eval",
@@ -323,7 +323,7 @@ def _gen_max_tokens(gen: Mapping[str, Any] | None, where: _RunDir) -> int:
 # ---- data and reward ----------------------------------------------------------------------------------------------
 
 
-def _rows(path: Path, prompt_key: str, options: Mapping[str, Any]) -> list[dict[str, Any]]:
+def _rows(path: Path, options: Mapping[str, Any]) -> list[dict[str, Any]]:
     """The rows of a data file, by its kind (a .parquet file, a `datasets` directory, else JSONL), read as the eval
     block's data declaration reads them (`options`: its `limit` and `columns`; none for another file)."""
     if not path.exists():
