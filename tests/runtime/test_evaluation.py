@@ -31,7 +31,7 @@ placement {{
     actor.update, ref -> train
 }}
 {evals}
-run {{ steps = {steps}, seed = 5, checkpoint_every = 2, max_staleness = {k} }}
+run {{ steps = {steps}, seed = 5, checkpoint_every = 2, max_staleness = {k}{run} }}
 """
 EVAL = "eval held { data = held, n = 4, temperature = 1.0, every = 2, at_start = true }"
 # right when the answer starts with a low digit, about half the samples of an untrained policy: pass@k moves
@@ -41,7 +41,7 @@ KEYS = ["mean@4", "pass@1", "pass@2", "pass@4", "maj@4", "response_len_mean"]
 TIMES = ("step_time_s", "tokens_per_s")
 
 
-def write(folder: Path, *, steps: int = 3, k: int = 0, evals: str = EVAL) -> Graph:
+def write(folder: Path, *, steps: int = 3, k: int = 0, evals: str = EVAL, run: str = "") -> Graph:
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "evalreward.py").write_text(REWARD)
     rows = [{"prompt": f"{a}+{b}=", "answer": a + b} for a in range(4) for b in range(4)]
@@ -49,7 +49,7 @@ def write(folder: Path, *, steps: int = 3, k: int = 0, evals: str = EVAL) -> Gra
     held = [{"prompt": f"{a}+{b}=", "answer": a + b, "data_source": "low" if a < 6 else "high"}
             for a, b in ((4, 5), (5, 5), (6, 3), (7, 1), (8, 8), (9, 0))]
     (folder / "held.jsonl").write_text("".join(json.dumps(r) + "\n" for r in held))
-    (folder / "f.flow").write_text(FLOW.format(evals=evals, steps=steps, k=k))
+    (folder / "f.flow").write_text(FLOW.format(evals=evals, steps=steps, k=k, run=run))
     return flowrl.load(str(folder / "f.flow"))
 
 
@@ -158,6 +158,23 @@ def test_flowrl_eval_gives_the_runs_own_numbers_at_step_0_and_at_a_checkpoint(
     assert (other["rows"], other["step"], "mean@4" in other, "maj@4" in other) == (16, 3, True, True)
     api = flowrl.evaluate(out, data=data, init=True)
     assert api.metrics == {k: v for k, v in init.items() if k not in ("rows", "step")} and len(api.samples) == 24
+
+
+def test_the_trackers_get_every_evaluation_and_its_samples(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                           local_run: tuple[Path, list[dict[str, Any]]]) -> None:
+    """`run { log = ["mlflow"] }`: each evaluation's metrics at its step and its samples as a table, read back with
+    MLflow's own client (its names have no `@`: pass@4 is logged as pass_at_4)."""
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)  # the run's own file store, OUT/mlruns
+    flowrl.run(write(tmp_path, run=', log = ["mlflow"]'), out_dir=tmp_path / "out")
+    ids = json.loads((tmp_path / "out" / "tracking.json").read_text())
+    client = MlflowClient((tmp_path / "out" / "mlruns").resolve().as_uri())
+    history = client.get_metric_history(ids["mlflow"], "eval/held/pass_at_4")
+    want = [(r["step"], r["eval/held/pass@4"]) for r in local_run[1] if "eval/held/pass@4" in r]
+    assert sorted((m.step, m.value) for m in history) == want
+    assert [a.path for a in client.list_artifacts(ids["mlflow"], "samples/eval/held")] == [
+        f"samples/eval/held/step_{s:06d}.json" for s in (0, 2, 3)]
 
 
 def test_a_resumed_run_evaluates_as_an_uninterrupted_one(tmp_path: Path,
