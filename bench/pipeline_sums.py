@@ -2,7 +2,8 @@
 answers to the 100 sums a+b= (examples/data/sums.jsonl) scored by `flowrl.rewards.arith_exact` at its step-0
 weights and at every checkpoint of every stage, for examples/sums_pipeline.flow (SFT -> reward model -> PPO) and
 examples/sums_dpo.flow (SFT -> DPO). Writes the curve to OUT/pipeline_sums.json, a picture (docs/pipeline_sums.png
-with --picture) and a table of the scores at each stage's end.
+with --picture) and a table of the scores at each stage's end. The policy is rebuilt and evaluated by flowrl's own
+evaluation (examples/judge_sums.Judge on flowrl.runtime.eval_run.PolicyEval, what `flowrl eval` runs).
 
     python bench/pipeline_sums.py                       # runs both flows (about 5 + 2 minutes on 2 cores), judges
     python bench/pipeline_sums.py --judge-only          # judges the runs already in OUT

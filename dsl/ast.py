@@ -250,12 +250,22 @@ class EnvDecl(Located):
     span: Span
 
 
-StageItem = UseDecl | StepDecl | RunDecl | PlacementDecl
+@dataclass(frozen=True)
+class EvalDecl(Located):
+    """`eval NAME { entries }`: a held-out evaluation (at the top level, or one stage's)."""
+
+    name: Ident
+    entries: tuple[Entry, ...]
+    span: Span
+
+
+StageItem = UseDecl | StepDecl | RunDecl | PlacementDecl | EvalDecl
 
 
 @dataclass(frozen=True)
 class StageDecl(Located):
-    """`stage NAME { use ... | step { } ; run { } ; placement { } }`: one stage of a pipeline, in file order."""
+    """`stage NAME { use ... | step { } ; run { } ; placement { } ; eval NAME { } }`: one stage of a pipeline, in file
+    order."""
 
     name: Ident
     items: tuple[StageItem, ...]
@@ -263,7 +273,7 @@ class StageDecl(Located):
 
 
 Decl = (FlowDecl | ImportDecl | ModelDecl | RewardDecl | DataDecl | UseDecl | StepDecl | TemplateDecl | RunDecl
-        | PlacementDecl | EnvDecl | StageDecl)
+        | PlacementDecl | EnvDecl | StageDecl | EvalDecl)
 
 
 @dataclass(frozen=True)

@@ -116,6 +116,7 @@ class Flow:
     written: Mapping[tuple[str, str], tuple[Source, ast.Located]]
     device: str = "auto"  # run { device }
     envs: Mapping[str, EnvInfo] = field(default_factory=dict)  # env and tool declarations by name
+    eval_data: frozenset[str] = frozenset()  # data sets only `eval` blocks read (their `batch` is not a step's)
 
 
 def check_flow(rep: Reporter, flow: Flow) -> None:
@@ -143,6 +144,8 @@ def check_flow(rep: Reporter, flow: Flow) -> None:
 
 def _check_batches(rep: Reporter, flow: Flow) -> None:
     for d in flow.data:
+        if d.name in flow.eval_data:  # an evaluation reads every row; `batch` is no step's size there
+            continue
         rows = len(flow.prompts.get(d.name, ()))
         batch = d.options.get("batch")
         if not rows or not isinstance(batch, int) or batch <= rows:

@@ -23,6 +23,7 @@ from flowrl.errors import DataError
 from flowrl.ir.graph import ROLES, DataDecl, Graph, ModelDecl, Range, Ref, RewardDecl, Value, frozen
 from flowrl.ir.signatures import (
     DATA_KEYS,
+    EVAL_KEYS,
     HTTP_REWARD_KEYS,
     MODEL_KEYS,
     REWARD_KEYS,
@@ -36,6 +37,7 @@ from .checks import Flow, check_device, check_flow, check_loggers, check_shape, 
 from .columns import check_columns
 from .diagnostics import Reporter, Source, did_you_mean
 from .environments import EnvInfo, attach_envs, env_bindings, lower_envs
+from .evals import EvalContext, lower_evals
 from .keys import Entry as _Entry
 from .keys import check_value
 from .overrides import Overrides, parse_overrides
@@ -77,14 +79,20 @@ def _importable(folder: str) -> Iterator[None]:
             sys.path.remove(folder)
 
 
-def lower(module: ast.Module, overrides: Mapping[str, str] | None = None) -> Graph:
-    """Lower a parsed flow to a Graph; raises FlowError listing every problem found."""
-    return _Lowering(module, overrides).run()
+def lower(module: ast.Module, overrides: Mapping[str, str] | None = None, *,
+          generated: Mapping[str, int] | None = None, evals: Sequence[str] = ()) -> Graph:
+    """Lower a parsed flow to a Graph; raises FlowError listing every problem found. A pipeline's stage also gets
+    `generated` (its policies' generate `max_tokens` in any stage: the default of an `eval` in a stage that
+    generates nothing) and `evals` (every stage's eval names, which `eval.NAME.KEY` overrides may name)."""
+    return _Lowering(module, overrides, generated, evals).run()
 
 
 class _Lowering:
-    def __init__(self, module: ast.Module, overrides: Mapping[str, str] | None) -> None:
+    def __init__(self, module: ast.Module, overrides: Mapping[str, str] | None,
+                 generated: Mapping[str, int] | None = None, evals: Sequence[str] = ()) -> None:
         self.module = module
+        self.generated = dict(generated or {})
+        self.all_evals = list(evals)
         self.src = Source(module.path, module.text)
         self.rep = Reporter()
         self.folder = flow_folder(module.path)
@@ -100,7 +108,8 @@ class _Lowering:
         iterations = [d for d in self.module.decls if isinstance(d, (ast.UseDecl, ast.StepDecl))]
         ovr = parse_overrides(self.overrides, [d.name.name for d in models_ast], [d.name.name for d in data_ast],
                               any(isinstance(d, ast.UseDecl) for d in iterations), self.rep,
-                              rewards=[d.name.name for d in rewards_ast], envs=[d.name.name for d in envs_ast])
+                              rewards=[d.name.name for d in rewards_ast], envs=[d.name.name for d in envs_ast],
+                              evals=self._eval_names())
         with _importable(self.folder):
             imports = self._imports()
             self._ovr = ovr
@@ -134,10 +143,15 @@ class _Lowering:
                 name = unused.name.name
                 self.rep.warn(self.src, f"reward `{name}` is not used: the scores are the environment's alone",
                               unused.name, hint=f"to grade trajectories with it, pass it: `reward = {name}`")
+        evals = lower_evals(self.rep, self.src, [d for d in self.module.decls if isinstance(d, ast.EvalDecl)],
+                            EvalContext(models, rewards, data, nodes, run, self.generated, self._prompts),
+                            lambda d: self._block(d.entries, ovr.evals.get(d.name.name, ()), ovr, EVAL_KEYS, "eval"),
+                            lambda block: self._filled(block, EVAL_KEYS, "eval"))
         if not self.rep.diagnostics:  # checks across declarations and nodes, on a flow that is right so far
             check_flow(self.rep, Flow(self.src, models, self._model_blocks, data,
                                       {d.name.name: d for d in data_ast}, self._data_blocks, self._prompts,
-                                      self._shown, nodes, steps.written, str(run.get("device", "auto")), envs))
+                                      self._shown, nodes, steps.written, str(run.get("device", "auto")), envs,
+                                      frozenset(e.data for e in evals)))
         placements = [d for d in self.module.decls if isinstance(d, ast.PlacementDecl)]
         pools, groups, nodes = Placer(self.rep, models, replicas_at).place(placements, self.src, nodes)
         flow = self._flow_name()
@@ -145,8 +159,14 @@ class _Lowering:
         return Graph(
             flow=flow, path=self.module.path, models=tuple(models), nodes=tuple(nodes),
             rewards=tuple(rewards), data=tuple(data), run=frozen(run), pools=pools, worker_groups=groups,
-            imports=tuple(imports), template=template, warnings=tuple(self.rep.warnings),
+            imports=tuple(imports), template=template, warnings=tuple(self.rep.warnings), evals=tuple(evals),
         )
+
+    def _eval_names(self) -> list[str]:
+        """The `eval` blocks `eval.NAME.KEY` overrides may name: this flow's, and (a stage of a pipeline) every
+        stage's, so an override of one stage's eval is no error in the others."""
+        names = [d.name.name for d in self.module.decls if isinstance(d, ast.EvalDecl)]
+        return names + [n for n in self.all_evals if n not in names]
 
     # ---- names ----------------------------------------------------------------------------------
 

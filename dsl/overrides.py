@@ -1,6 +1,7 @@
 """`--set KEY=VALUE` overrides, parsed into entries that lowering merges into the flow before checking.
 
-Keys are `MODEL.KEY`, `DATA.KEY`, `REWARD.KEY`, `ENV.KEY` (an `env` or `tool`), `run.KEY` or `use.PARAM`; values are flow literal text (`8`, `1e-4`,
+Keys are `MODEL.KEY`, `DATA.KEY`, `REWARD.KEY`, `ENV.KEY` (an `env` or `tool`), `run.KEY`, `use.PARAM` or
+`eval.NAME.KEY` (an `eval` block's key); values are flow literal text (`8`, `1e-4`,
 `true`, `"s"`, `2..16`, a name). The overrides form their own source, `<overrides>`, one `KEY=VALUE`
 line each, so a bad value is reported with a caret like any other error.
 """
@@ -19,6 +20,7 @@ from .parser import parse_value
 
 OVERRIDES_PATH = "<overrides>"
 _KEY = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)\.([A-Za-z_][A-Za-z0-9_]*)$")
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 @dataclass
@@ -32,10 +34,12 @@ class Overrides:
     run: list[ast.Entry] = field(default_factory=list)
     use: list[ast.Arg] = field(default_factory=list)
     envs: dict[str, list[ast.Entry]] = field(default_factory=dict)  # `env`/`tool` blocks, by name
+    evals: dict[str, list[ast.Entry]] = field(default_factory=dict)  # `eval` blocks, by name (`eval.NAME.KEY`)
 
 
 def parse_overrides(overrides: Mapping[str, str] | None, models: list[str], data: list[str], has_use: bool,
-                    rep: Reporter, rewards: Sequence[str] = (), envs: Sequence[str] = ()) -> Overrides:
+                    rep: Reporter, rewards: Sequence[str] = (), envs: Sequence[str] = (),
+                    evals: Sequence[str] | None = None) -> Overrides:
     # one line per override in the `<overrides>` source (a value is a single line by nature)
     items = [(k.replace("\n", " "), v.replace("\n", " ")) for k, v in (overrides or {}).items()]
     lines = [f"{k}={v}" for k, v in items]
@@ -44,6 +48,9 @@ def parse_overrides(overrides: Mapping[str, str] | None, models: list[str], data
     for i, (key, text) in enumerate(items):
         line = i + 1
         key_span = ast.Span(line, 1, line, len(key) + 1)
+        if evals is not None and key.startswith("eval."):
+            _eval_override(out, key, text, src, line, len(lines[i]), evals, rep)
+            continue
         m = _KEY.match(key)
         if m is None:
             rep.error(src, f"override `{key}` must be MODEL.KEY, DATA.KEY, REWARD.KEY, ENV.KEY, run.KEY or use.PARAM", key_span)
@@ -77,6 +84,25 @@ def parse_overrides(overrides: Mapping[str, str] | None, models: list[str], data
             rep.error(src, f"override `{key}`: no model, data, reward or env named `{target}`",
                       ast.Span(line, 1, line, len(target) + 1), hint=hint)
     return out
+
+
+def _eval_override(out: Overrides, key: str, text: str, src: Source, line: int, width: int, evals: Sequence[str],
+                   rep: Reporter) -> None:
+    """`eval.NAME.KEY=VALUE`: an entry of eval block NAME (applied to it in every stage that has it)."""
+    parts = key.split(".")
+    if len(parts) != 3 or not all(_NAME.fullmatch(a) for a in parts[1:]):
+        rep.error(src, f"override `{key}` must be eval.NAME.KEY", ast.Span(line, 1, line, len(key) + 1),
+                  hint="for example `eval.held.n=8`")
+        return
+    name, entry = parts[1], parts[2]
+    if name not in evals:
+        rep.error(src, f"override `{key}`: no eval named `{name}`", ast.Span(line, 6, line, 6 + len(name)),
+                  hint=did_you_mean(name, evals) or f"evals: {', '.join(evals) or 'none'}")
+        return
+    value = _value(text, src, line, len(key) + 1, rep)
+    if value is not None:
+        ident = ast.Ident(entry, ast.Span(line, len(name) + 7, line, len(key) + 1))
+        out.evals.setdefault(name, []).append(ast.Entry(ident, value, ast.Span(line, 1, line, width + 1)))
 
 
 def _value(text: str, src: Source, line: int, offset: int, rep: Reporter) -> ast.Expr | None:

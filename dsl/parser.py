@@ -247,10 +247,13 @@ class _Builder:
             assert isinstance(target, Token)
             return ast.EnvDecl(self.ident(node.children[0]), self.ident(kids[0]), self.string(target),
                                self.block(kids[2] if len(kids) > 2 else None), span)
+        if kind == "eval_decl":
+            return ast.EvalDecl(self.ident(kids[0]), self.block(kids[1]), span)
         if kind == "stage_decl":
             # a stage's parts may share a line (`stage rm { use reward_model(...)  run { steps = 60 } }`)
             items = [self.decl(k) for k in kids[1:] if isinstance(k, Tree)]
-            assert all(isinstance(i, (ast.UseDecl, ast.StepDecl, ast.RunDecl, ast.PlacementDecl)) for i in items)
+            assert all(isinstance(i, (ast.UseDecl, ast.StepDecl, ast.RunDecl, ast.PlacementDecl, ast.EvalDecl))
+                       for i in items)
             return ast.StageDecl(self.ident(kids[0]), tuple(items), span)  # type: ignore[arg-type]
         assert kind == "placement_decl", kind
         pools, assigns = [], []

@@ -3,6 +3,9 @@
 Each stage is lowered by `dsl.lower` as a flow of its own: the file's declarations (models, data, rewards,
 imports, templates, environments), the stage's `use` or `step`, the file-level `run { }` with the stage's own
 entries merged over it, and the stage's `placement { }` (else the file's, less the models the stage leaves out).
+`eval` blocks: a top-level one evaluates in every stage whose step uses its model (a stage that trains only a
+reward model is skipped: the policy is as it was), a stage's own in that stage (in place of a top-level one of
+the same name); an eval in a stage that generates nothing takes `max_tokens` from another stage's generate.
 A stage's graph holds only the models its step uses, plus the models their `source`s need to be built: it is
 lowered once with every model to learn which those are, then again with just them.
 
@@ -28,6 +31,7 @@ from flowrl.models.sources import hf_score_head, hf_source_problem
 
 from . import ast
 from .diagnostics import Reporter, Source, did_you_mean
+from .evals import EvalContext, eval_model, generate_max_tokens
 from .lower import lower
 from .overrides import OVERRIDES_PATH
 
@@ -83,9 +87,17 @@ def lower_pipeline(module: ast.Module, overrides: Mapping[str, str] | None = Non
     stages = _stages(module, src, rep)
     per_stage = _split_overrides(overrides or {}, stages, rep)
     rep.check(module.path)
+    names = _eval_names(module)
+    wholes = {d.name.name: _lower_whole(module, d, per_stage[d.name.name], rep, names) for d in stages}
+    generated: dict[str, int] = {}  # each policy's generate max_tokens in any stage: an eval's default elsewhere
+    for whole in wholes.values():
+        for model, tokens in generate_max_tokens(whole.nodes if whole is not None else ()).items():
+            generated.setdefault(model, tokens)
     out: list[Stage] = []
     for decl in stages:
-        graph = _lower_stage(module, decl, per_stage[decl.name.name], rep)
+        whole = wholes[decl.name.name]
+        graph = None if whole is None else _lower_stage(module, decl, whole, per_stage[decl.name.name], rep,
+                                                        generated, names)
         if graph is not None:
             out.append(Stage(decl.name.name, graph, src.loc(decl.name)))
     if not rep.diagnostics:
@@ -172,23 +184,51 @@ def _split_overrides(overrides: Mapping[str, str], stages: Sequence[ast.StageDec
 # ---- one stage ----------------------------------------------------------------------------------------
 
 
-def _lower_stage(module: ast.Module, stage: ast.StageDecl, overrides: Mapping[str, str],
-                 rep: Reporter) -> Graph | None:
-    """The stage's graph with only the models it needs; None after adding its problems to `rep`."""
-    everything = _stage_module(module, stage, None)
+def _eval_names(module: ast.Module) -> list[str]:
+    """Every `eval` block's name, top-level and in stages."""
+    stages = [i for d in module.decls if isinstance(d, ast.StageDecl) for i in d.items]
+    return list(dict.fromkeys(e.name.name for e in [*module.decls, *stages] if isinstance(e, ast.EvalDecl)))
+
+
+def _lower_whole(module: ast.Module, stage: ast.StageDecl, overrides: Mapping[str, str],
+                 rep: Reporter, evals: Sequence[str]) -> Graph | None:
+    """The stage lowered with every model and no `eval` (what it uses); None after adding its problems to `rep`."""
     try:
-        whole = lower(everything, overrides)
+        return lower(_stage_module(module, stage, None, ()), overrides, evals=evals)
     except FlowError as e:
         rep.extend(e.diagnostics)  # the same problem found in several stages is reported once
         return None
-    keep = _needed(whole)
+
+
+def _lower_stage(module: ast.Module, stage: ast.StageDecl, whole: Graph, overrides: Mapping[str, str],
+                 rep: Reporter, generated: Mapping[str, int], evals: Sequence[str]) -> Graph | None:
+    """The stage's graph with only the models it needs and its evaluations; None after adding its problems to
+    `rep`. A top-level `eval` applies to the stages whose step uses its model (a stage training only a reward
+    model leaves the policy as it was); a stage's own `eval` blocks apply to it, one of the same name in its place."""
+    own = _stage_evals(module, stage, whole)
+    keep = _needed(whole) | {m for e in own if (m := _named_model(e)) in {d.name for d in whole.models}}
     dropped = {m.name for m in whole.models} - keep
     kept_overrides = {k: v for k, v in overrides.items() if k.split(".", 1)[0] not in dropped}
     try:
-        return verify(lower(_stage_module(module, stage, keep), kept_overrides))
+        return verify(lower(_stage_module(module, stage, keep, own), kept_overrides, generated=generated, evals=evals))
     except FlowError as e:
         rep.extend(e.diagnostics)
         return None
+
+
+def _stage_evals(module: ast.Module, stage: ast.StageDecl, whole: Graph) -> list[ast.EvalDecl]:
+    own = [i for i in stage.items if isinstance(i, ast.EvalDecl)]
+    mine = {e.name.name for e in own}
+    ctx = EvalContext(whole.models, whole.rewards, whole.data, whole.nodes, whole.run)
+    used = {n.model for n in whole.nodes if n.model}
+    shared = [d for d in module.decls if isinstance(d, ast.EvalDecl) and d.name.name not in mine
+              and eval_model(d, ctx) in used]
+    return [*shared, *own]
+
+
+def _named_model(decl: ast.EvalDecl) -> str | None:
+    return next((e.value.name for e in decl.entries if e.key.name == "model" and isinstance(e.value, ast.Name)),
+                None)
 
 
 def _needed(graph: Graph) -> set[str]:
@@ -206,13 +246,15 @@ def _needed(graph: Graph) -> set[str]:
     return keep
 
 
-def _stage_module(module: ast.Module, stage: ast.StageDecl, keep: set[str] | None) -> ast.Module:
-    """The flow one stage is: shared declarations (models limited to `keep` unless None) and the stage's parts."""
+def _stage_module(module: ast.Module, stage: ast.StageDecl, keep: set[str] | None,
+                  evals: Sequence[ast.EvalDecl]) -> ast.Module:
+    """The flow one stage is: shared declarations (models limited to `keep` unless None), the stage's parts and
+    the `eval` blocks that apply to it."""
     own = [d for d in module.decls if isinstance(d, (ast.FlowDecl, ast.ImportDecl, ast.RewardDecl, ast.DataDecl,
                                                       ast.TemplateDecl, ast.EnvDecl))]
     models = [d for d in module.decls if isinstance(d, ast.ModelDecl) and (keep is None or d.name.name in keep)]
     iteration = [i for i in stage.items if isinstance(i, (ast.UseDecl, ast.StepDecl))][:1]
-    decls: list[ast.Decl] = [*own, *models, *iteration]
+    decls: list[ast.Decl] = [*own, *models, *iteration, *evals]
     run = _merged_run(module, stage)
     if run is not None:
         decls.append(run)

@@ -22,7 +22,7 @@ from .ast import strip_comment
 from .diagnostics import Source, did_you_mean
 
 DECL_KEYWORDS = ("flow", "import", "model", "reward", "data", "use", "step", "template", "run", "placement", "env",
-                 "tool", "stage")
+                 "tool", "stage", "eval")
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,9 @@
 """flowrl: RLHF algorithms as small dataflow programs, compiled to a graph and run on any backend.
 
 Scripting API: `load(path)` / `compile_flow(text, path=...)` return the compiled `Graph` after the default
-passes (as `flowrl run` does; `passes=False` or `no_pass=[...]` to leave them out); `run(graph, ...)` trains it; `@reward` and `@function` register Python callables that flows name.
+passes (as `flowrl run` does; `passes=False` or `no_pass=[...]` to leave them out); `run(graph, ...)` trains it;
+`evaluate(run_dir, data=...)` scores a run's policy on held-out prompts (`flowrl eval`); `@reward` and `@function`
+register Python callables that flows name.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from flowrl.registry import function, reward
 if TYPE_CHECKING:
     from flowrl.ir.graph import Graph
     from flowrl.runtime.batch import Batch
+    from flowrl.runtime.eval_run import Evaluated
     from flowrl.runtime.protocol import Backend
     from flowrl.runtime.runner import RunResult
 
@@ -73,6 +76,14 @@ def run(graph: Graph, *, backend: str | Backend = "local", backend_options: dict
     return _run(graph, backend=be, **kwargs)
 
 
+def evaluate(run_dir: str, *, data: str, **kwargs: Any) -> Evaluated:
+    """A run's policy (its last checkpoint; `step=S`, or `init=True` for the step-0 weights) evaluated on `data` as
+    an `eval` block evaluates: `.metrics` holds mean@K, pass@k, maj@K, `.samples` every answer scored. Keywords:
+    `reward`, `model`, `n`, `temperature`, `max_tokens`, `samples` (a JSONL path), `device`
+    (see `flowrl.runtime.eval_run.evaluate`)."""
+    from flowrl.runtime.eval_run import evaluate as _evaluate
+
+    return _evaluate(run_dir, data=data, **kwargs)
 def _draw(graph: Graph, folder: Path) -> Path:
     """The graph's drawing for a run's trackers (flowrl.viz, imported only when a run has trackers)."""
     from flowrl.viz import draw_into
@@ -90,4 +101,4 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = ["Batch", "DataError", "Diagnostic", "ExecutionError", "FlowError", "RewardError", "compile_flow",
-           "function", "load", "reward", "run"]
+           "evaluate", "function", "load", "reward", "run"]

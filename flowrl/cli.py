@@ -1,4 +1,4 @@
-"""The `flowrl` command line: check, compile, show, run, export, viz, timeline, fuse-schedule, and the simulator's
+"""The `flowrl` command line: check, compile, show, run, eval, export, viz, timeline, fuse-schedule, and the simulator's
 simulate, calibrate and plan (flowrl.backends.sim.commands).
 
 Every user error is printed as a rendered diagnostic on stderr with exit status 1; no verb prints a
@@ -82,8 +82,8 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--seed", type=int, default=None)
     c.add_argument("--device", default=None, help="auto | cpu | cuda (default: run { device })")
     c.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override MODEL.KEY, DATA.KEY, REWARD.KEY, run.KEY or use.PARAM; in a flow with stages "
-                        "also stage.NAME.KEY (a run key of one stage) or stage.NAME.use.PARAM")
+                   help="override MODEL.KEY, DATA.KEY, REWARD.KEY, run.KEY, use.PARAM or eval.NAME.KEY; in a flow "
+                        "with stages also stage.NAME.KEY (a run key of one stage) or stage.NAME.use.PARAM")
     c.add_argument("--out", default=None, metavar="DIR", help="run directory (default runs/<flow>)")
     c.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --out")
     c.add_argument("--overwrite", action="store_true", help="replace a run already in --out")
@@ -97,6 +97,23 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--log", default=None, metavar="NAMES",
                    help="experiment trackers, comma-separated: wandb, mlflow, tensorboard (replaces run { log }; "
                         "WANDB_MODE=offline needs no network)")
+
+    c = verb("eval", "Evaluate a run's policy on held-out prompts: mean@K, pass@k, maj@K (as an `eval` block does).",
+             "flowrl eval runs/grpo --data data/test.jsonl --reward flowrl.rewards.arith_exact --n 4 --temperature 1")
+    c.add_argument("run_dir", metavar="RUN_DIR")
+    c.add_argument("--data", required=True, metavar="FILE", help="prompts: JSONL, parquet or a datasets directory")
+    c.add_argument("--reward", default=None, metavar="MODULE.FN",
+                   help="a registered reward or a dotted path (default: the flow's eval block's, else its reward)")
+    c.add_argument("--step", type=int, default=None, metavar="S",
+                   help="the checkpoint of step S (default: the last; a pipeline's run: pipeline-wide steps)")
+    c.add_argument("--init", action="store_true", help="evaluate the step-0 weights")
+    c.add_argument("--model", default=None, metavar="NAME", help="the policy (default: the one the flow evaluates)")
+    c.add_argument("--n", type=int, default=None, metavar="K", help="answers per prompt (default 1, or the eval block's)")
+    c.add_argument("--temperature", type=float, default=None, metavar="T", help="0 answers greedily (the default)")
+    c.add_argument("--max-tokens", type=int, default=None, metavar="M", help="default: the flow's generate's")
+    c.add_argument("--device", default=None, help="auto, cpu, cuda or cuda:N (default: the run's device)")
+    c.add_argument("--json", action="store_true", help="print one JSON object")
+    c.add_argument("--samples", default=None, metavar="OUT.jsonl", help="write every answer with its reward")
 
     c = verb("viz", "Draw a flow's graph with graphviz (.svg, .png, .pdf or .dot).",
              "flowrl viz examples/ppo_arith.flow -o ppo.svg --stage placed")
@@ -355,6 +372,29 @@ def _log_override(text: str | None) -> dict[str, str]:
     return {"run.log": "[" + ", ".join(json.dumps(n) for n in names) + "]"}
 
 
+def cmd_eval(args: argparse.Namespace) -> int:
+    from flowrl.runtime.eval_run import evaluate
+
+    got = evaluate(args.run_dir, data=args.data, reward=args.reward, step=args.step, model=args.model, n=args.n,
+                   temperature=args.temperature, max_tokens=args.max_tokens, init=args.init, samples=args.samples,
+                   device=args.device)
+    if got.left_out is not None:
+        print(f"warning: {got.left_out}", file=sys.stderr)
+    if args.json:
+        print(json.dumps(got.summary()))
+        return 0
+    weights = "step-0 weights" if got.checkpoint is None else f"step {got.step}"
+    stage = f" (stage {got.stage})" if got.stage is not None else ""
+    print(f"{args.run_dir}: {got.model} at {weights}{stage}; {got.rows} prompts of {got.data} x {got.n}, "
+          f"reward {got.reward}")
+    width = max(len(k) for k in got.metrics)
+    for key, value in got.metrics.items():
+        print(f"  {key:<{width}}  {value:.4f}")
+    if args.samples:
+        print(f"samples: {args.samples}")
+    return 0
+
+
 def cmd_viz(args: argparse.Namespace) -> int:
     from flowrl.viz import render
 
@@ -422,7 +462,7 @@ def cmd_fuse_schedule(args: argparse.Namespace) -> int:
     return 0
 
 
-VERBS = {"check": cmd_check, "compile": cmd_compile, "show": cmd_show, "run": cmd_run, "viz": cmd_viz,
+VERBS = {"check": cmd_check, "compile": cmd_compile, "show": cmd_show, "run": cmd_run, "eval": cmd_eval, "viz": cmd_viz,
          "timeline": cmd_timeline, "fuse-schedule": cmd_fuse_schedule, **sim_commands.VERBS}
 VERBS["export"] = cmd_export
 

@@ -13,7 +13,7 @@ import flowrl.runtime
 from flowrl.runtime.batch import Batch
 
 PUBLIC = ["Batch", "DataError", "Diagnostic", "ExecutionError", "FlowError", "RewardError", "compile_flow",
-          "function", "load", "reward", "run"]
+          "evaluate", "function", "load", "reward", "run"]
 
 
 def test_the_public_names_are_these_and_all_resolve() -> None:

@@ -50,7 +50,8 @@ def _written(value: object) -> str | float:
 TABLES = [
     ("model", sig.MODEL_KEYS, ("### `model`", "### `reward`")),
     ("data", sig.DATA_KEYS, ("### `data`", "### `run`")),
-    ("run", sig.RUN_KEYS, ("### `run`", "## The iteration")),
+    ("run", sig.RUN_KEYS, ("### `run`", "### `eval`")),
+    ("eval", sig.EVAL_KEYS, ("### `eval`", "## The iteration")),
     ("reward", sig.REWARD_KEYS, ("### `reward`", "`code_tests` takes")),
     ("env", sig.ENV_KEYS, ("## Environments and tools", "Any other key")),
 ]

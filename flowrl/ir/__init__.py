@@ -3,6 +3,7 @@
 from flowrl.ir.graph import (
     CONTROLLER,
     DataDecl,
+    EvalDecl,
     Graph,
     GroupDecl,
     ModelDecl,
@@ -17,6 +18,6 @@ from flowrl.ir.printer import to_json, to_json_text, to_text
 from flowrl.ir.verify import GraphError, verify
 
 __all__ = [
-    "CONTROLLER", "DataDecl", "Graph", "GraphError", "ModelDecl", "Node", "PassRecord", "PoolDecl", "Range",
+    "CONTROLLER", "DataDecl", "EvalDecl", "Graph", "GraphError", "ModelDecl", "Node", "PassRecord", "PoolDecl", "Range",
     "Ref", "RewardDecl", "GroupDecl", "to_json", "to_json_text", "to_text", "verify",
 ]

@@ -94,6 +94,24 @@ class DataDecl:
 
 
 @dataclass(frozen=True)
+class EvalDecl:
+    """`eval NAME { data = D, ... }`: generate with `model` on data set `data` every `every` steps (0: at the end
+    only; a run's last step always evaluates), score with reward declaration `reward` (flowrl.runtime.evaluation).
+    Every key resolved: the flow's generate and reward give the defaults the block leaves out."""
+
+    name: str
+    data: str  # a data declaration's name (never one the step trains on)
+    model: str
+    reward: str  # a reward declaration's name
+    loc: Loc
+    n: int = 1
+    temperature: float = 0.0  # 0: greedy
+    max_tokens: int = 256
+    every: int = 0
+    at_start: bool = False
+
+
+@dataclass(frozen=True)
 class PoolDecl:
     """`pool NAME { gpus = 8..32, elastic = true }` inside `placement { }`."""
 
@@ -186,6 +204,7 @@ class Graph:
     passes: tuple[PassRecord, ...] = ()
     template: str | None = None  # the `use`d template, if any
     warnings: tuple[Diagnostic, ...] = ()  # what `flowrl check` and `flowrl run` print, located; the flow runs
+    evals: tuple[EvalDecl, ...] = ()  # held-out evaluations between steps (`eval NAME { ... }`)
 
     def node(self, node_id: str) -> Node:
         for n in self.nodes:

@@ -6,7 +6,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from flowrl.ir.graph import Graph, Node, Range, Ref, Value
+from flowrl.ir.graph import EvalDecl, Graph, Node, Range, Ref, Value
 from flowrl.ir.signatures import MODEL_KEYS
 
 
@@ -59,6 +59,14 @@ def format_node(n: Node, model_lr: float | None = None) -> str:
     return f"  {n.id} = {call}({args}){tail}  {where}  # {line}"
 
 
+def format_eval(e: EvalDecl) -> str:
+    """`eval held {data=held, model=actor, reward=correct, n=4, temperature=1.0, max_tokens=8, every=10}`: every key
+    as the run applies it (the defaults taken from the flow's generate, reward and run filled in)."""
+    start = ", at_start=true" if e.at_start else ""
+    return (f"eval {e.name} {{data={e.data}, model={e.model}, reward={e.reward}, n={e.n}, "
+            f"temperature={e.temperature!r}, max_tokens={e.max_tokens}, every={e.every}{start}}}")
+
+
 def to_text(g: Graph) -> str:
     """A stable, line-oriented rendering: declarations, worker groups, nodes in schedule order, passes."""
     lines = [f"flow {g.flow}" + (f"  (use {g.template})" if g.template else "")]
@@ -88,6 +96,7 @@ def to_text(g: Graph) -> str:
     lines.append("}")
     if g.run:
         lines.append(f"run {{{_kv(g.run)}}}")
+    lines.extend(format_eval(e) for e in g.evals)  # none in a flow without `eval`: its text is as before
     for rec in g.passes:
         lines.append(f"pass {rec.name}: {'changed' if rec.changed else 'unchanged'}")
     return "\n".join(lines) + "\n"
@@ -108,12 +117,13 @@ def to_json(g: Graph) -> dict[str, Any]:
         "flow": g.flow,
         "path": g.path,
         "template": g.template,
+        "imports": list(g.imports),
         "models": [
             {
                 "name": m.name, "role": m.role, "source": m.source_model or m.source,
                 "trainable": m.trainable, "lr": m.lr, "engine": m.engine, "gpus": m.gpus,
                 "replicas": _json_value(m.replicas), "config": _json_value(m.config),
-                "loc": str(m.loc),
+                "options": _json_value(m.options), "base_source": m.source, "loc": str(m.loc),
             }
             for m in g.models
         ],
@@ -135,6 +145,9 @@ def to_json(g: Graph) -> dict[str, Any]:
         "pools": [{"name": p.name, "gpus": _json_value(p.gpus), "elastic": p.elastic,
                    **{k: _json_value(v) for k, v in sorted(p.options.items())}} for p in g.pools],
         "run": _json_value(g.run),
+        "evals": [{"name": e.name, "data": e.data, "model": e.model, "reward": e.reward, "n": e.n,
+                   "temperature": e.temperature, "max_tokens": e.max_tokens, "every": e.every,
+                   "at_start": e.at_start, "loc": str(e.loc)} for e in g.evals],
         "passes": [{"name": p.name, "changed": p.changed, "notes": list(p.notes)} for p in g.passes],
     }
 

@@ -351,6 +351,20 @@ RUN_KEYS: dict[str, tuple[str, Value]] = {
 # run { log }: the experiment trackers flowrl writes to (flowrl.runtime.tracking), each an optional extra
 LOGGERS = ("wandb", "mlflow", "tensorboard")
 
+# `eval NAME { ... }`: a held-out evaluation between steps (flowrl.runtime.evaluation). The keys without a default
+# take the flow's: `data` is required, `reward` the step's reward, `model` the policy it generates with,
+# `max_tokens` that generate's, `every` the run's `checkpoint_every`.
+EVAL_KEYS: dict[str, tuple[str, Value]] = {
+    "data": ("any", None),  # a data declaration's name (not one the step trains on)
+    "every": ("int", None),  # steps between evaluations (0: the last step only); default: checkpoint_every
+    "n": ("int", 1),  # samples per prompt (pass@k for k = 1, 2, 4, ... n)
+    "temperature": ("float", 0.0),  # 0: greedy
+    "max_tokens": ("int", None),  # default: the flow's generate's
+    "reward": ("any", None),  # a reward declaration's name; default: the reward the step scores with
+    "model": ("any", None),  # default: the policy the step generates with (or trains)
+    "at_start": ("bool", False),  # also evaluate the step-0 weights
+}
+
 
 # What each declaration key accepts beyond its kind, by block ("model", "data", "run", "reward", "http reward"):
 # numbers within a `Limit`, strings among choices. Lowering checks every key written (or overridden) against
@@ -385,6 +399,8 @@ KEY_LIMITS: dict[str, dict[str, Limit]] = {
             "timeout": Limit(0, above=True, why="seconds per reset or step call"),
             "max_total": Limit(0, why="0: up to the model's positions"),
             "decode_batch": Limit(0, why="0: every trajectory decodes at once")},
+    "eval": {"n": POSITIVE, "every": Limit(0, why="0 evaluates at the last step only"),
+             "temperature": Limit(0, why="0 samples greedily"), "max_tokens": POSITIVE},
 }
 KEY_LIMITS["tool"] = KEY_LIMITS["env"]
 KEY_CHOICES: dict[str, dict[str, tuple[str, ...]]] = {

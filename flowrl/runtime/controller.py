@@ -62,6 +62,7 @@ class Controller:
         self.lengths = LengthTracker(graph)  # how well response lengths were predicted (checkpointed)
         self.own_sync: set[str] = set()  # models whose weight sync the caller drives (an asynchronous run's)
         self.step_now = 0  # the step run_nodes runs (a held-out evaluation's `eval_every` counts it)
+        self.last_step: int | None = None  # the run's last step, which evaluates held-out rows whatever `eval_every`
         self.held_out_ref: dict[str, torch.Tensor] = {}  # a frozen reference's log-probs of held-out rows, by node
 
     def step_seed(self, step: int, node: Node) -> int:
@@ -190,13 +191,14 @@ class Controller:
         raise ValueError(f"unknown op {node.op!r}")
 
     def held_out_metrics(self, node: Node) -> dict[str, float]:
-        """A preference update on data with `held_out` rows, every `eval_every` steps: the model scores those
-        rows after its step (the worker's `evaluate`; DPO against its reference's log-probs of them, computed
-        once while the reference is frozen; SFT their responses' NLL). Its metrics, as the update's
-        (`eval_accuracy`, `eval/...`, `eval/sft_loss`)."""
+        """A preference update on data with `held_out` rows, every `eval_every` steps and at the run's last step (a
+        short run evaluates too): the model scores those rows after its step (the worker's `evaluate`; DPO against
+        its reference's log-probs of them, computed once while the reference is frozen; SFT their responses' NLL).
+        Its metrics, as the update's (`eval_accuracy`, `eval/...`, `eval/sft_loss`)."""
         loader = self.loaders.get(str(node.input("rollout")))
         every = int(str(node.attrs.get("eval_every", 1) or 0))
-        if loader is None or not loader.held_out or every <= 0 or self.step_now % every:
+        due = every > 0 and (self.step_now % every == 0 or self.step_now == self.last_step)
+        if loader is None or not loader.held_out or not due:
             return {}
         if node.attrs.get("loss") not in ("dpo", "bradley_terry", "sft"):
             return {}

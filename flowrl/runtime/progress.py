@@ -1,12 +1,15 @@
 """The per-step progress bar (rich): step, the step's headline metric (reward, or a preference stage's training
-accuracy or loss), what else a preference step measured (its loss, the latest held-out score) and its rate:
-generated tokens per second where the step generated, else data rows trained on per second."""
+accuracy or loss), what else a preference step measured (its loss, the latest held-out score), the latest `eval`
+block's score (`eval NAME`: its mean@K) and its rate: generated tokens per second where the step generated, else
+data rows trained on per second."""
 
 from __future__ import annotations
 
 import sys
 from types import TracebackType
 from typing import Any
+
+from flowrl.runtime import evaluation
 
 # A step without a reward (an SFT, reward-model or DPO update on data) is summed up by the first of these its row
 # has, held-out (eval) metrics left out so the headline stays the same from step to step: (key suffix, the name
@@ -46,12 +49,16 @@ def headline(row: dict[str, Any]) -> tuple[str, float]:
 
 
 def held_out(row: dict[str, Any]) -> dict[str, float]:
-    """The held-out scores a preference step measured (steps where `eval_every` came round): name -> value."""
+    """The held-out scores a step measured: a preference update's (steps where `eval_every` came round) and an
+    `eval` block's mean@K (`eval NAME`): name -> value."""
     out: dict[str, float] = {}
     for suffix, name in _EVALS:
         for key, value in row.items():
-            if key.endswith(suffix) and _number(value):
+            if key.endswith(suffix) and _number(value) and not key.startswith("eval/"):
                 out.setdefault(name, float(value))
+    found = evaluation.headline(row)
+    if found is not None:
+        out[found[0]] = found[1]
     return out
 
 
@@ -73,7 +80,7 @@ def rate(row: dict[str, Any]) -> str:
 
 def summary(rows: list[dict[str, Any]]) -> str:
     """'last-5 reward 0.812' (the mean of the headline over the last five rows, named by the last row's)."""
-    last = rows[-5:]
+    last = [r for r in rows if not evaluation.eval_only(r)][-5:]  # a step-0 evaluation is no training step
     if not last:
         return "no steps"
     name = headline(last[-1])[0]
@@ -112,6 +119,8 @@ class Progress:
     def line(self, step: int, row: dict[str, Any]) -> str:
         """The plain progress line of `row` (the step's own values, and the latest held-out score so far)."""
         self._held_out.update(held_out(row))
+        if evaluation.eval_only(row):  # the step-0 evaluation (`at_start`): no step's figures yet
+            return f"step {step}/{self.total}  {_fields(self._held_out)}"
         what, value = headline(row)
         more = _fields({**details(row), **self._held_out})
         return (f"step {step}/{self.total}  {what} {value:.3f}  " + (f"{more}  " if more else "")
@@ -119,11 +128,14 @@ class Progress:
 
     def update(self, step: int, row: dict[str, Any]) -> None:
         text = self.line(step, row)
-        if self._bar is not None:
+        if self._bar is not None and evaluation.eval_only(row):
+            self._bar.update(self._task, more=_fields(self._held_out))
+        elif self._bar is not None:
             what, value = headline(row)
             self._bar.update(self._task, completed=step, what=what, value=value, rate=rate(row),
                              more=_fields({**details(row), **self._held_out}))
-        elif self.enabled and (step % self.every == 0 or step == self.total or step == 1):
+        elif self.enabled and (step % self.every == 0 or step == self.total or step == 1 or step == 0
+                               or evaluation.headline(row) is not None):
             print(text, file=sys.stderr, flush=True)
 
     def __exit__(self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:

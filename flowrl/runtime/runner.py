@@ -30,6 +30,7 @@ from flowrl.ir.printer import to_json_text, to_text
 from flowrl.runtime import carry, cost, interrupt, report, tracking
 from flowrl.runtime.ahead import Ahead, async_node
 from flowrl.runtime.controller import Controller, Span
+from flowrl.runtime.evaluation import EvalStep, Evaluations
 from flowrl.runtime.export import EXPORT_DIR, export_at_checkpoint
 from flowrl.runtime.overlong import Overlong, filter_overlong
 from flowrl.runtime.protocol import Backend, WorkerGroup
@@ -109,6 +110,9 @@ def run(graph: Graph, *, out_dir: str | Path, backend: Backend, steps: int | Non
     session = _Session(graph, backend, out, plan, loaders, draw, overlong)
     try:
         session.start(resume, init_weights)
+        at_start = session.evaluate_at_start()  # `eval { at_start = true }`: a step-0 row of its own
+        if at_start is not None and on_step is not None:
+            on_step(0, at_start)
         for step in range(session.first, plan.total + 1):
             row = session.step(step)
             if on_step is not None:
@@ -150,6 +154,7 @@ class _Session:
         self.t0 = time.perf_counter()
         self.rewards: dict[str, Scorer] = {}
         self.ahead: Ahead | None = None
+        self.evals: Evaluations | None = None
         self.pools: list[cost.Pool] = []
         self.meter: cost.CostMeter | None = None
         self.sinks: StepSinks | None = None
@@ -193,15 +198,36 @@ class _Session:
             self._write_about()
         elif gen is not None:
             self.ahead = Ahead(self.ctl, be, first=self.first, last=plan.total, state=kept.get("ahead"))
+        self.ctl.last_step = plan.total  # a preference update's held-out rows are scored at the last step too
+        self.evals = Evaluations(graph, self.groups, seed=plan.seed, last=plan.total, clock_start=self.t0,
+                                 asynchronous=self.ahead is not None)
         self.group_names = ["controller", *[w.name for w in graph.worker_groups]]
         self.wall0 = time.time() - time.perf_counter()  # wall clock minus perf_counter: instance tasks report wall time
         self.meter = cost.CostMeter(self.pools, starting_s=starting, clock=time.perf_counter(), wall=self.wall0,
                                     reserving=be if isinstance(be, cost.Reserving) else None)
 
+    def evaluate_at_start(self) -> dict[str, Any] | None:
+        """A fresh run's step-0 evaluations (`at_start`), their row `{"step": 0, "eval/...": ...}` sent to the sinks
+        (no training step: no step time, tokens or cost); None when there are none."""
+        assert self.evals is not None and self.sinks is not None  # started
+        if self.first != 1 or not self.evals.due(0):
+            return None
+        held = self.evals.run(0)
+        row: dict[str, Any] = {"step": 0, **held.metrics}
+        self._log_evaluated(0, held)
+        self.sinks.write(0, row)
+        self.spans.extend(held.spans)
+        return row
+
+    def _log_evaluated(self, step: int, held: EvalStep) -> None:
+        assert self.sinks is not None
+        for name, rows in held.samples.items():  # samples.jsonl (kind "eval/NAME") and the trackers' tables
+            self.sinks.log_samples(f"eval/{name}", rows, step)
+
     def step(self, step: int) -> dict[str, Any]:
         """Train step `step` and send its row (metrics, step time, the backend's figures, device cost) to the
         sinks; returns the row."""
-        assert self.meter is not None and self.sinks is not None  # started
+        assert self.meter is not None and self.sinks is not None and self.evals is not None  # started
         be = self.be
         interrupt.check()  # Ctrl-C whose KeyboardInterrupt a library swallowed still ends the run here
         began = time.perf_counter()
@@ -211,6 +237,10 @@ class _Session:
         row["tokens_per_s"] = row.get("gen_tokens", 0.0) / max(row["step_time_s"], 1e-9)
         if not row.get("gen_tokens") and self.data_rows:  # a step on data alone (SFT, RM, DPO): progress shows rows/s
             row["data_rows"] = float(self.data_rows)
+        held = self.evals.run(step)  # `eval` blocks due now: after the step's own figures (its time and tokens)
+        row.update(held.metrics)
+        res.spans.extend(held.spans)
+        self._log_evaluated(step, held)
         row.update(be.metrics())
         used = be.usage()
         row.update(self.meter.step(res.spans, time.perf_counter(), used))
@@ -245,6 +275,8 @@ class _Session:
             self.sinks.close(ok=False)
         if self.ahead is not None:
             self.ahead.close()
+        if self.evals is not None:
+            self.evals.close()
         close_scorers(self.rewards)
         self.be.shutdown()
 

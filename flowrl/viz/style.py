@@ -44,6 +44,7 @@ OP_COLORS: dict[str, str] = {
     "update": "#5f3dc4",
     "instance": "#66d9e8",  # a serverless / simulated generation instance's lifetime
     "sync": "#495057",  # a weight sync between groups
+    "eval": "#12b886",  # a held-out evaluation between steps (`eval NAME { }`): its generation, then its scoring
 }
 OTHER_OP_COLOR = "#adb5bd"
 

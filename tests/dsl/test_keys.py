@@ -31,6 +31,9 @@ BASE = {
     "tool": 'model actor : policy {{ source = "tiny:gpt2" }}\nmodel ref : reference {{ source = actor }}\n'
             'reward correct = "flowrl.rewards.arith_exact"\ndata prompts = jsonl("data/arith.jsonl")\n'
             'tool t = "dsl_envs.add" {{ call = "<", end = ">", {entry} }}\n',
+    "eval": 'model actor : policy {{ source = "tiny:gpt2" }}\nmodel ref : reference {{ source = actor }}\n'
+            'reward correct = "flowrl.rewards.arith_exact"\ndata prompts = jsonl("data/arith.jsonl")\n'
+            'data held = jsonl("data/arith.jsonl")\neval held {{ data = held, {entry} }}\n',
 }
 USE = "use grpo(reward = correct, group = 4, max_tokens = 2)\n"
 
@@ -53,10 +56,18 @@ DECLARED = [(block, key, limit) for block, keys in KEY_LIMITS.items() for key, l
 @pytest.mark.parametrize(("block", "key", "limit"), DECLARED, ids=[f"{b}.{k}" for b, k, _ in DECLARED])
 def test_a_key_outside_its_range_is_a_located_error(compile_error: Callable[..., str], block: str, key: str,
                                                     limit: Limit) -> None:
-    from flowrl.ir.signatures import DATA_KEYS, ENV_KEYS, HTTP_REWARD_KEYS, REWARD_KEYS, RUN_KEYS, TOOL_KEYS
+    from flowrl.ir.signatures import (
+        DATA_KEYS,
+        ENV_KEYS,
+        EVAL_KEYS,
+        HTTP_REWARD_KEYS,
+        REWARD_KEYS,
+        RUN_KEYS,
+        TOOL_KEYS,
+    )
 
     kinds = {"model": MODEL_KEYS, "data": DATA_KEYS, "run": RUN_KEYS, "reward": REWARD_KEYS,
-             "http reward": HTTP_REWARD_KEYS, "env": ENV_KEYS, "tool": TOOL_KEYS}[block]
+             "http reward": HTTP_REWARD_KEYS, "env": ENV_KEYS, "tool": TOOL_KEYS, "eval": EVAL_KEYS}[block]
     value = literal(kinds[key][0], outside(limit))
     text = BASE[block].format(entry=f"{key} = {value}") + USE
     rendered = compile_error(text)

@@ -24,7 +24,6 @@ from flowrl.compiler import compile_any
 from flowrl.dsl.stages import Pipeline
 from flowrl.errors import FlowError
 from flowrl.models.tokenizer import CharTokenizer
-from flowrl.runtime.batch import Batch
 from flowrl.runtime.model_init import init_model
 from flowrl.runtime.pipeline import PipelineResult, run_pipeline
 
@@ -110,10 +109,7 @@ def initial_weights(ckpt: Path) -> dict[str, torch.Tensor]:
 def greedy_answers(judge: Any, checkpoint: Path | None) -> list[str]:
     """The text of the policy's greedy answer (up to 3 tokens) to each sum, with `checkpoint`'s weights (None: the
     step-0 weights)."""
-    judge.answers(None if checkpoint is None else judge.checkpoint(checkpoint))  # loads the weights
-    prompts = Batch(len(judge.rows), {}, {"prompt": [r["prompt"] for r in judge.rows], "row": judge.rows})
-    out = judge.worker.generate(judge.model, prompts, {"n": 1, "max_tokens": 3, "temperature": 0.0}, step_seed=0)
-    return list(out.meta["response"])
+    return list(judge.responses(None if checkpoint is None else judge.checkpoint(checkpoint)))
 
 
 def without_times(row: dict[str, Any]) -> dict[str, Any]:

@@ -4,6 +4,8 @@ held-out score beside it (it switched the headline to `eval_acc` on the steps th
 
 from __future__ import annotations
 
+import pytest
+
 from flowrl.runtime.progress import Progress, details, headline, held_out, rate, summary
 
 
@@ -48,3 +50,19 @@ def test_summary_is_the_mean_of_the_last_five() -> None:
     assert summary(rows) == "last-5 sft_loss 7.000"
     assert summary([{"reward_mean": 0.25}, {"reward_mean": 0.75}]) == "last-2 reward 0.500"
     assert summary([]) == "no steps"
+
+
+def test_the_line_shows_the_latest_evaluation_and_a_step_0_evaluation_is_no_step(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    rows = [{"step": 0, "eval/held/mean@4": 0.25, "eval/held/pass@4": 0.5, "time/eval/held": 0.1},
+            {"step": 1, "reward_mean": 0.5, "tokens_per_s": 10.0, "step_time_s": 0.5},
+            {"step": 2, "reward_mean": 0.7, "tokens_per_s": 10.0, "step_time_s": 0.5, "eval/held/low/mean@4": 0.1,
+             "eval/held/mean@4": 0.75}]
+    with Progress(2, every=1) as bar:
+        for r in rows:
+            bar.update(int(r["step"]), r)
+    assert capsys.readouterr().err.splitlines() == [
+        "step 0/2  eval held 0.250",
+        "step 1/2  reward 0.500  eval held 0.250  10 tok/s  0.50 s/step",
+        "step 2/2  reward 0.700  eval held 0.750  10 tok/s  0.50 s/step"]
+    assert summary(rows) == "last-2 reward 0.600"  # the step-0 row is no training step

@@ -81,11 +81,11 @@ run {{ steps = 4, seed = 0 }}
 """
 
 
-def _run(folder: Path, out: str, rows: list[dict[str, Any]], body: str) -> list[dict[str, Any]]:
+def _run(folder: Path, out: str, rows: list[dict[str, Any]], body: str, steps: int | None = None) -> list[dict[str, Any]]:
     (folder / "demos.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
     flow = folder / "sft.flow"
     flow.write_text(FLOW.format(charset=CHARSET, body=body), encoding="utf-8")
-    flowrl.run(flowrl.load(str(flow)), out_dir=folder / out)
+    flowrl.run(flowrl.load(str(flow)), out_dir=folder / out, steps=steps)
     return [json.loads(line) for line in (folder / out / "metrics.jsonl").read_text().splitlines()]
 
 
@@ -105,6 +105,17 @@ def test_eval_every_spaces_the_evaluations(tmp_path: Path) -> None:
     rows = _run(tmp_path, "out", _demos(16, seed=2, held=4), body)
     assert ["actor/eval/sft_loss" in r for r in rows] == [False, True, False, True]
     assert all("actor/sft_loss" in r for r in rows)
+
+
+def test_a_run_shorter_than_eval_every_still_evaluates_at_its_last_step(tmp_path: Path) -> None:
+    """`--steps 3` with `eval_every = 50` (issue 33 item 8): the held-out rows are scored at the run's end, and
+    a run whose last step is not a multiple of `eval_every` evaluates there too."""
+    body = 'step {\n    actor.update(demos, loss = "sft", eval_every = 50)\n}'
+    rows = _run(tmp_path, "short", _demos(16, seed=2, held=4), body, steps=3)
+    assert ["actor/eval/sft_loss" in r for r in rows] == [False, False, True]
+    body = 'step {\n    actor.update(demos, loss = "sft", eval_every = 2)\n}'
+    rows = _run(tmp_path, "odd", _demos(16, seed=2, held=4), body, steps=5)
+    assert ["actor/eval/sft_loss" in r for r in rows] == [False, True, False, True, True]
 
 
 def test_the_language_doc_names_the_metric() -> None:
