@@ -1,18 +1,21 @@
-"""The jail `code_tests` runs solutions in, and the channel to it (flowrl.rewards.code's process side).
+"""The jail `code_tests` runs code in (flowrl.rewards.code's process side): who may see what, and `Jailed`, one
+process started in a jail of its own.
 
-Strict isolation (util-linux's `unshare`, `mount`, `chroot` and `setpriv`): each session gets mount, network
-and PID namespaces of its own, in a fresh root that holds only `/usr` read-only, a few devices, its own `/proc`
-and a small tmpfs `/tmp` (its working directory), without capabilities or new privileges. So it sees no file of
-the host outside `/usr` (the data set, the flow, the harness are not there), no network (a down loopback), no
-process outside its own, and cannot signal or trace the harness. Killing `unshare` kills the namespace's first
-process, and with it every process the solution started. Two ways to get there, the first that works:
-- as root ("root"): the session also runs as a user id of its own (one of `UIDS`, no groups), so its process
-  limit counts its own processes only;
-- as anyone, where the kernel allows unprivileged user namespaces ("user namespace"): the session is root of a
-  user namespace of its own (the caller's user outside, no capabilities); its process limit is counted against
-  the caller's user, so it is set to the caller's count plus `processes` when the session starts.
+Strict isolation (util-linux's `unshare`, `mount`, `chroot` and `setpriv`): each jail gets mount, network, PID and
+IPC namespaces of its own, in a fresh root that holds only `/usr` read-only, the interpreter (this process's own
+Python and its site-packages, read-only: numpy is there), a few devices, its own `/proc`, a small tmpfs `/tmp` (its
+working directory) and `/dev/shm` (for `multiprocessing`), without capabilities or new privileges. So it sees no
+file of the host beyond those (the data set, the flow, the harness are not there), no network (a down loopback),
+no process outside its own, no System V IPC object of the host (and none it makes outlives it), and cannot signal
+or trace the harness. Killing `unshare` kills the namespace's first process, and with it every process it started.
+Two ways to get there, the first that works:
+- as root ("root"): the jail also runs as a user id of its own (solutions one of `UIDS`, the tests' process one of
+  `TESTS_UIDS`, no groups), so its process limit counts its own processes only;
+- as anyone, where the kernel allows unprivileged user namespaces ("user namespace"): the jail is root of a user
+  namespace of its own (the caller's user outside, no capabilities); its process limit is counted against the
+  caller's user, so it is set to the caller's count plus `processes` when the jail starts.
 
-Without either (a tool missing, the kernel refusing namespaces) the session runs as the caller, in a temporary
+Without either (a tool missing, the kernel refusing namespaces) the process runs as the caller, in a temporary
 directory, with the rlimits and the socket audit hook only: the solution could read what the caller can read
 and signal the caller's processes. `isolation()` says what is missing; the first session that runs so warns
 once (`SandboxWarning`), and `require_strict()` (the reward key `sandbox = "strict"`) refuses instead.
@@ -20,26 +23,26 @@ once (`SandboxWarning`), and `require_strict()` (the reward key `sandbox = "stri
 
 from __future__ import annotations
 
+import functools
 import itertools
-import json
 import os
-import select
+import shlex
 import shutil
-import signal
+import site
 import subprocess
 import sys
+import sysconfig
 import tempfile
-import time
 import warnings
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
-SYSTEM_PYTHON = "/usr/bin/python3"  # inside the jail's root: /usr is all it has
-UIDS = range(200_000, 260_000)  # a user id per session: its process limit and its files are its own
+from flowrl.rewards.bounded import end
+
+UIDS = range(200_000, 260_000)  # a user id per solution's jail: its process limit and its files are its own
+TESTS_UIDS = range(260_000, 262_000)  # the tests' process: never a solution's
 _SEQUENCE = itertools.count()
-RUNNER = (Path(__file__).parent / "runner.py").read_text()
 TOOLS = ("unshare", "mount", "chroot", "setpriv")
+THREADS = {k: "1" for k in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")}  # numpy's pools
 
 # Runs as root in the new namespaces (propagation private: nothing it mounts is seen outside), then drops to
 # the session's user in the new root and executes "$@" (the runner).
@@ -55,6 +58,9 @@ mount -o bind /dev/null dev/null
 mount -o bind /dev/urandom dev/urandom
 mount -t proc -o nosuid,nodev,noexec proc proc
 mount -t tmpfs -o size={scratch},mode=1777,nosuid,nodev flowrl-scratch tmp
+mkdir dev/shm
+mount -t tmpfs -o size={scratch},mode=1777,nosuid,nodev flowrl-shm dev/shm
+{interpreter}
 exec chroot . setpriv {user} --inh-caps=-all --bounding-set=-all --no-new-privs -- "$@"
 """
 AS_ITS_OWN_USER = "--reuid=$FLOWRL_UID --regid=$FLOWRL_UID --clear-groups"  # root only
@@ -79,7 +85,7 @@ class Isolation:
     def describe(self) -> str:
         if self.strict:
             who = "its own user" if self.way == "root" else "a user namespace of its own"
-            return f"strict: namespaces (mount, network, PID), {who}, a root holding /usr only"
+            return f"strict: namespaces (mount, network, PID, IPC), {who}, a root holding /usr and Python only"
         return ("code_tests runs solutions WITHOUT isolation: as this process's user, able to read its files "
                 "(the data set's expected outputs among them) and signal its processes; only rlimits and a socket "
                 "audit hook hold. Missing: " + "; ".join(self.missing))
@@ -100,8 +106,6 @@ def _probe() -> Isolation:
     absent = [t for t in TOOLS if shutil.which(t) is None]
     if absent:
         return Isolation(False, (f"the tools {', '.join(absent)} (util-linux)",))
-    if not os.path.exists(SYSTEM_PYTHON):
-        return Isolation(False, (f"{SYSTEM_PYTHON} (the jail's interpreter, under /usr)",))
     missing = []
     if os.geteuid() == 0:
         why = _try("root")
@@ -120,8 +124,9 @@ def _probe() -> Isolation:
 def _try(way: str) -> str | None:
     """None when a jail of this way runs a process here, else what went wrong."""
     try:
-        probe = subprocess.run([*_jail_command(way), SYSTEM_PYTHON, "-I", "-S", "-c", "import os; print(os.getuid())"],
-                               capture_output=True, timeout=60, env=_jail_env(next(_SEQUENCE)))
+        probe = subprocess.run([*_jail_command(way), interpreter().executable, "-I", "-S", "-c",
+                                "import os; print(os.getuid())"], capture_output=True, timeout=60,
+                               env=_jail_env(UIDS[next(_SEQUENCE) % len(UIDS)]))
     except (OSError, subprocess.TimeoutExpired) as e:
         return f"it did not start ({e})"
     uid = probe.stdout.strip()
@@ -162,15 +167,47 @@ def _links() -> str:
     return "\n".join(out)
 
 
+@dataclass(frozen=True)
+class Interpreter:
+    """The Python a jail runs: this process's own base interpreter, with this environment's site-packages on its
+    path (so a solution may import what the flow's environment has: numpy, ...), all read-only."""
+
+    executable: str
+    paths: tuple[str, ...]  # put on sys.path by the jailed program (it runs with -I -S: no .pth is read)
+    mounts: tuple[str, ...]  # directories bound read-only into the jail's root: those /usr does not hold
+
+
+@functools.cache
+def interpreter() -> Interpreter:
+    executable = os.path.realpath(getattr(sys, "_base_executable", None) or sys.executable)
+    prefix = os.path.realpath(sys.base_prefix)
+    found = [*site.getsitepackages(), sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]]
+    paths = tuple(dict.fromkeys(os.path.realpath(p) for p in found if os.path.isdir(p)))
+    mounts: list[str] = []
+    for folder in (prefix, *paths):
+        if not any(_under(folder, m) for m in ("/usr", *mounts)):
+            mounts.append(folder)
+    if not _under(executable, prefix) and not _under(executable, "/usr"):
+        mounts.append(os.path.dirname(executable))
+    return Interpreter(executable, paths, tuple(mounts))
+
+
+def _under(path: str, folder: str) -> bool:
+    return path == folder or path.startswith(folder.rstrip("/") + "/")
+
+
 def _jail_command(way: str, scratch: int = 64 << 20) -> list[str]:
     user = ["--user", "--map-root-user"] if way != "root" else []
-    script = JAIL.format(links=_links(), scratch=scratch, user=AS_ITS_OWN_USER if way == "root" else "")
-    return ["unshare", *user, "--mount", "--net", "--pid", "--fork", "--kill-child", "--propagation", "private",
-            "sh", "-c", script, "flowrl-jail"]
+    binds = "\n".join(f"mkdir -p {shlex.quote('.' + m)} && mount -o bind,ro {shlex.quote(m)} {shlex.quote('.' + m)}"
+                      for m in interpreter().mounts)
+    script = JAIL.format(links=_links(), scratch=scratch, user=AS_ITS_OWN_USER if way == "root" else "",
+                         interpreter=binds)
+    return ["unshare", *user, "--mount", "--net", "--pid", "--ipc", "--fork", "--kill-child", "--propagation",
+            "private", "sh", "-c", script, "flowrl-jail"]
 
 
-def _jail_env(n: int) -> dict[str, str]:
-    return {"FLOWRL_UID": str(UIDS[(os.getpid() * 7919 + n) % len(UIDS)]), "PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}
+def _jail_env(uid: int) -> dict[str, str]:
+    return {"FLOWRL_UID": str(uid), "PATH": "/usr/sbin:/usr/bin:/sbin:/bin", **THREADS}
 
 
 def _tasks_of(uid: int) -> int:
@@ -186,88 +223,33 @@ def _tasks_of(uid: int) -> int:
     return count
 
 
-class Session:
-    """One jailed runner and its channel: `send` a JSON request, `receive` one JSON line, each before
-    `deadline` (time.monotonic) and within `reply_bytes`. Anything wrong (a late, long or garbled reply, the
-    runner gone) raises `Broken`; `close` kills everything it started."""
+class Jailed:
+    """One process running `program` (`python -I -S -c`) in a jail of its own, with `stdin` and `stdout` the
+    descriptors given (or pipes: `subprocess.PIPE`). `task()` is what the program must be told of where it runs
+    (its working directory, its process limit, its interpreter's paths); `close()` kills it and everything it
+    started, and removes its directory when it had one of the host's."""
 
-    def __init__(self, task: dict[str, Any], deadline: float, reply_bytes: int, processes: int, scratch: int):
-        self.deadline, self.reply_bytes = deadline, reply_bytes
+    def __init__(self, program: str, stdin: int, stdout: int, *, processes: int, scratch: int, tests: bool = False):
         self.work: str | None = None
-        found = isolation()
+        found, python = isolation(), interpreter()
         if found.strict:
-            command = [*_jail_command(found.way, scratch), SYSTEM_PYTHON]
-            nproc = processes if found.way == "root" else _tasks_of(os.getuid()) + processes
-            env, cwd, task = _jail_env(next(_SEQUENCE)), "/", {**task, "cwd": "/tmp", "nproc": nproc}
+            pool = TESTS_UIDS if tests else UIDS
+            uid = pool[(os.getpid() if tests else os.getpid() * 7919 + next(_SEQUENCE)) % len(pool)]
+            command, env, cwd = [*_jail_command(found.way, scratch), python.executable], _jail_env(uid), "/"
+            self.cwd, self.nproc = "/tmp", processes if found.way == "root" else _tasks_of(os.getuid()) + processes
         else:
             warn_once()
             self.work = tempfile.mkdtemp(prefix="flowrl-code-")
-            command, env, cwd = [sys.executable], {}, self.work
-            task = {**task, "cwd": self.work, "nproc": _tasks_of(os.getuid()) + processes}
-        self.proc = subprocess.Popen([*command, "-I", "-S", "-c", RUNNER], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, cwd=cwd, env=env,
-                                     start_new_session=True)
-        assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.tx, self.rx = self.proc.stdin.fileno(), self.proc.stdout.fileno()
-        os.set_blocking(self.tx, False)
-        os.set_blocking(self.rx, False)
-        self.buffer = bytearray()
-        self.send(task)
+            command, env, cwd = [python.executable], dict(THREADS), self.work
+            self.cwd, self.nproc = self.work, _tasks_of(os.getuid()) + processes
+        self.paths = list(python.paths)
+        self.proc = subprocess.Popen([*command, "-I", "-S", "-c", program], stdin=stdin, stdout=stdout,
+                                     stderr=subprocess.DEVNULL, cwd=cwd, env=env, start_new_session=True)
 
-    def send(self, obj: Any) -> None:
-        data = memoryview((json.dumps(obj) + "\n").encode())
-        while data:
-            self._wait(self.tx, select.POLLOUT)
-            try:
-                data = data[os.write(self.tx, data):]
-            except BlockingIOError:
-                continue
-            except OSError as e:  # the runner is gone
-                raise Broken(str(e)) from None
-
-    def receive(self) -> Any:
-        while b"\n" not in self.buffer:
-            if len(self.buffer) > self.reply_bytes:
-                raise Broken("reply too long")
-            self._wait(self.rx, select.POLLIN)
-            try:
-                chunk = os.read(self.rx, 1 << 16)
-            except BlockingIOError:
-                continue
-            if not chunk:
-                raise Broken("the runner ended")
-            self.buffer += chunk
-        line, _, rest = bytes(self.buffer).partition(b"\n")
-        self.buffer = bytearray(rest)
-        try:
-            return json.loads(line)
-        except (ValueError, RecursionError):  # not JSON, or nested past the parser's depth
-            raise Broken("garbled reply") from None
-
-    def _wait(self, fd: int, event: int) -> None:
-        left = self.deadline - time.monotonic()
-        if left <= 0:
-            raise Broken("time is up")
-        poll = select.poll()
-        poll.register(fd, event)
-        if not poll.poll(left * 1000):
-            raise Broken("time is up")
+    def task(self) -> dict[str, object]:
+        return {"cwd": self.cwd, "nproc": self.nproc, "paths": self.paths}
 
     def close(self) -> None:
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)  # unshare and the runner; the namespace dies with them
-        except (ProcessLookupError, PermissionError):
-            pass
-        self.proc.wait()
-        for stream in (self.proc.stdin, self.proc.stdout):
-            try:
-                if stream is not None:
-                    stream.close()
-            except OSError:
-                pass
+        end(self.proc, group=True)  # unshare and what it runs; the namespaces die with them
         if self.work is not None:
             shutil.rmtree(self.work, ignore_errors=True)
-
-
-class Broken(Exception):
-    """The session can answer no more (why in the message): the tests not yet answered fail."""

@@ -50,10 +50,30 @@ def test_asserts_are_decided_here_as_python_would() -> None:
     assert run_tests(nones, tests) == [True, True, True, True, True, False, False, True, True]
 
 
-def test_the_expected_values_stay_here() -> None:
-    assert plan("assert add(2, 3) == 5").steps == (("probe", "add(2, 3)"),)  # what the runner is sent
-    assert plan("x = f()\nassert [1, 2] == x").steps == (("run", "x = f()"), ("probe", "x"))
-    assert plan({"input": "1 2", "output": "3"}) is not None and plan({"input": 1}) is None
+SPY = """
+import sys
+runner = sys.modules.get("flowrl_runner")
+SEEN = []
+_answer = runner.answer
+def answer(req, table):  # the runner's own request handler, wrapped: everything the solution's side is sent
+    SEEN.append(repr(req))
+    return _answer(req, table)
+runner.answer = answer
+def add(a, b):
+    return a + b
+def seen():
+    return "\\n".join(SEEN)
+"""
+
+
+def test_the_tests_and_expected_values_never_reach_the_solution() -> None:
+    """The solution's process is sent calls (the name, the arguments) and nothing else: not a test's source, not an
+    expected value (ints travel in hex: 5 is '5', 42 is '2a')."""
+    assert plan("assert add(2, 3) == 5") == "assert add(2, 3) == 5"  # code stays code: it runs on the tests' side
+    assert plan({"input": "1 2", "output": "3"}) is not None and plan({"input": 1}) is None and plan(3) is None
+    log = "log = seen()\nassert \"'add'\" in log and \"'5'\" not in log and \"'2a'\" not in log " \
+          "and 'assert' not in log and '==' not in log"
+    assert run_tests(SPY, ["assert add(2, 3) == 5", "assert add(40, 2) == 42", log]) == [True, True, True]
 
 
 def test_stdin_stdout_tests_compare_output_token_by_token() -> None:
@@ -142,10 +162,20 @@ def test_the_harness_files_and_processes_are_out_of_sight(tmp_path: Path) -> Non
              "            found += open(f'/proc/{pid}/cmdline').read()\n        except OSError:\n            pass\n"
              "print('s3cret-42' if 's3cret-42' in found else found)\n")
     assert run_tests(snoop, [{"input": "", "output": "s3cret-42"}]) == [False]
-    listing = "import os\nSEEN = sorted(os.listdir('/'))\nPIDS = [p for p in os.listdir('/proc') if p.isdigit()]\n"
-    root = "{'bin', 'sbin', 'lib', 'lib32', 'lib64', 'libx32', 'dev', 'proc', 'tmp', 'usr'}"
-    assert run_tests(listing, [f"assert set(SEEN) <= {root} and 'usr' in SEEN", "assert PIDS == ['1']"]) == \
-        [True, True]  # /usr and what the host serves from it; no /work, /root, /home, /etc
+    listing = "import os\ndef ls(path):\n    return sorted(os.listdir(path))\n" \
+              "PIDS = [p for p in os.listdir('/proc') if p.isdigit()]\n"
+    root = {"bin", "sbin", "lib", "lib32", "lib64", "libx32", "dev", "proc", "tmp", "usr"}
+    shown: dict[str, set[str]] = {"/": set()}  # the interpreter's folders, and each folder on the way to them
+    for mount in sandbox.interpreter().mounts:
+        parts = Path(mount).parts
+        for depth in range(1, len(parts)):
+            shown.setdefault(str(Path(*parts[:depth])), set()).add(parts[depth])
+    assert run_tests(listing, [f"assert set(ls('/')) <= {root | shown['/']} and 'usr' in ls('/')",
+                               "assert PIDS == ['1']",
+                               *[f"assert ls({folder!r}) == {sorted(names)}" for folder, names in shown.items()
+                                 if folder != "/"]]) == [True] * (len(shown) + 1)
+    # /usr and what the host serves from it, and the interpreter's own folders: no /etc, /home, no other file of
+    # /root or /work (the data set and the flow), nothing beside the folders on the way to the interpreter
 
 
 @needs_strict
