@@ -33,9 +33,10 @@ import types
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from flowrl.rewards import wire
-else:  # in the jail the bootstrap loaded it as flowrl_wire; in the repository it is the package's
+    from flowrl.rewards import syscalls, wire
+else:  # in the jail the bootstrap loaded them as flowrl_NAME; in the repository they are the package's
     wire = sys.modules.get("flowrl_wire") or importlib.import_module("flowrl.rewards.wire")
+    syscalls = sys.modules.get("flowrl_syscalls") or importlib.import_module("flowrl.rewards.syscalls")
 
 MAX_NAMES = 10_000
 MAX_HANDLES = 100_000
@@ -322,6 +323,7 @@ def main() -> None:
     import builtins
     builtins.exit = builtins.quit = sys.exit  # type: ignore[assignment]  # -S leaves them out; programs use them
     limit(task["cpu"], task["memory"], task["nproc"], task["files"])
+    syscalls.deny()  # no ptrace of anyone, no other process's memory (where the kernel has seccomp)
     sys.addaudithook(no_network)
     if task["mode"] == "io":
         serve_io(task["code"], requests, tx, task["output"])

@@ -16,8 +16,9 @@ Two ways to get there, the first that works:
   caller's user, so it is set to the caller's count plus `processes` when the jail starts.
 
 Without either (a tool missing, the kernel refusing namespaces) the process runs as the caller, in a temporary
-directory, with the rlimits and the socket audit hook only: the solution could read what the caller can read
-and signal the caller's processes. `isolation()` says what is missing; the first session that runs so warns
+directory, with the rlimits, the socket audit hook and the seccomp filter (`flowrl.rewards.syscalls`: no ptrace,
+no other process's memory) only: the solution could read what the caller can read and signal the caller's
+processes. `isolation()` says what is missing; the first session that runs so warns
 once (`SandboxWarning`), and `require_strict()` (the reward key `sandbox = "strict"`) refuses instead.
 """
 
@@ -75,20 +76,57 @@ class SandboxError(RuntimeError):
 
 
 @dataclass(frozen=True)
+class Interpreter:
+    """The Python a jail runs: this process's own base interpreter, with this environment's site-packages on its
+    path (so a solution may import what the flow's environment has: numpy, ...), all read-only."""
+
+    executable: str
+    paths: tuple[str, ...]  # put on sys.path by the jailed program (it runs with -I -S: no .pth is read)
+    mounts: tuple[str, ...]  # directories bound read-only into the jail's root: those /usr does not hold
+
+
+@functools.cache
+def interpreter() -> Interpreter:
+    executable = os.path.realpath(getattr(sys, "_base_executable", None) or sys.executable)
+    prefix = os.path.realpath(sys.base_prefix)
+    found = [*site.getsitepackages(), sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]]
+    paths = tuple(dict.fromkeys(os.path.realpath(p) for p in found if os.path.isdir(p)))
+    mounts: list[str] = []
+    for folder in (prefix, *paths):
+        if not any(_under(folder, m) for m in ("/usr", *mounts)):
+            mounts.append(folder)
+    if not _under(executable, prefix) and not _under(executable, "/usr"):
+        mounts.append(os.path.dirname(executable))
+    return Interpreter(executable, paths, tuple(mounts))
+
+
+SYSTEM = Interpreter("/usr/bin/python3", (), ())  # where this Python's folders cannot be bound (a caller who
+# cannot read them): the system's, under /usr, without the environment's packages
+
+
+def _under(path: str, folder: str) -> bool:
+    return path == folder or path.startswith(folder.rstrip("/") + "/")
+
+
+@dataclass(frozen=True)
 class Isolation:
     """What this machine allows: `strict` (by `way`: "root" or "user namespace"), or the reasons it is not."""
 
     strict: bool
     missing: tuple[str, ...] = ()
     way: str = ""
+    python: Interpreter | None = None  # what the jail runs; None: this process's own (`interpreter()`)
 
     def describe(self) -> str:
         if self.strict:
             who = "its own user" if self.way == "root" else "a user namespace of its own"
+            if self.python == SYSTEM and interpreter() != SYSTEM:
+                return (f"strict: namespaces (mount, network, PID, IPC), {who}, a root holding /usr only (the "
+                        "system's Python: this one's folders could not be bound, so its packages are missing)")
             return f"strict: namespaces (mount, network, PID, IPC), {who}, a root holding /usr and Python only"
         return ("code_tests runs solutions WITHOUT isolation: as this process's user, able to read its files "
-                "(the data set's expected outputs among them) and signal its processes; only rlimits and a socket "
-                "audit hook hold. Missing: " + "; ".join(self.missing))
+                "(the data set's expected outputs among them) and signal its processes; only rlimits, a socket "
+                "audit hook and a seccomp filter against tracing hold. Missing: " + "; ".join(self.missing))
 
 
 _FOUND: list[Isolation] = []
@@ -107,24 +145,23 @@ def _probe() -> Isolation:
     if absent:
         return Isolation(False, (f"the tools {', '.join(absent)} (util-linux)",))
     missing = []
-    if os.geteuid() == 0:
-        why = _try("root")
-        if why is None:
-            return Isolation(True, way="root")
-        missing.append(f"as root, the kernel refused the jail: {why}")
-    else:
+    if os.geteuid() != 0:
         missing.append(f"root (running as uid {os.geteuid()})")
-    why = _try("user namespace")
-    if why is None:
-        return Isolation(True, way="user namespace")
-    missing.append(f"unprivileged user namespaces: {why}")
+    for way in ("root", "user namespace") if os.geteuid() == 0 else ("user namespace",):
+        pythons = [interpreter()] + ([SYSTEM] if interpreter() != SYSTEM and os.path.exists(SYSTEM.executable) else [])
+        whys = [_try(way, python) for python in pythons]
+        for python, why in zip(pythons, whys, strict=True):
+            if why is None:
+                return Isolation(True, way=way, python=python)
+        missing.append(f"as root, the kernel refused the jail: {whys[0]}" if way == "root" else
+                       f"unprivileged user namespaces: {whys[0]}")
     return Isolation(False, tuple(missing))
 
 
-def _try(way: str) -> str | None:
-    """None when a jail of this way runs a process here, else what went wrong."""
+def _try(way: str, python: Interpreter) -> str | None:
+    """None when a jail of this way runs `python` here, else what went wrong."""
     try:
-        probe = subprocess.run([*_jail_command(way), interpreter().executable, "-I", "-S", "-c",
+        probe = subprocess.run([*_jail_command(way, python), python.executable, "-I", "-S", "-c",
                                 "import os; print(os.getuid())"], capture_output=True, timeout=60,
                                env=_jail_env(UIDS[next(_SEQUENCE) % len(UIDS)]))
     except (OSError, subprocess.TimeoutExpired) as e:
@@ -167,39 +204,10 @@ def _links() -> str:
     return "\n".join(out)
 
 
-@dataclass(frozen=True)
-class Interpreter:
-    """The Python a jail runs: this process's own base interpreter, with this environment's site-packages on its
-    path (so a solution may import what the flow's environment has: numpy, ...), all read-only."""
-
-    executable: str
-    paths: tuple[str, ...]  # put on sys.path by the jailed program (it runs with -I -S: no .pth is read)
-    mounts: tuple[str, ...]  # directories bound read-only into the jail's root: those /usr does not hold
-
-
-@functools.cache
-def interpreter() -> Interpreter:
-    executable = os.path.realpath(getattr(sys, "_base_executable", None) or sys.executable)
-    prefix = os.path.realpath(sys.base_prefix)
-    found = [*site.getsitepackages(), sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]]
-    paths = tuple(dict.fromkeys(os.path.realpath(p) for p in found if os.path.isdir(p)))
-    mounts: list[str] = []
-    for folder in (prefix, *paths):
-        if not any(_under(folder, m) for m in ("/usr", *mounts)):
-            mounts.append(folder)
-    if not _under(executable, prefix) and not _under(executable, "/usr"):
-        mounts.append(os.path.dirname(executable))
-    return Interpreter(executable, paths, tuple(mounts))
-
-
-def _under(path: str, folder: str) -> bool:
-    return path == folder or path.startswith(folder.rstrip("/") + "/")
-
-
-def _jail_command(way: str, scratch: int = 64 << 20) -> list[str]:
+def _jail_command(way: str, python: Interpreter, scratch: int = 64 << 20) -> list[str]:
     user = ["--user", "--map-root-user"] if way != "root" else []
     binds = "\n".join(f"mkdir -p {shlex.quote('.' + m)} && mount -o bind,ro {shlex.quote(m)} {shlex.quote('.' + m)}"
-                      for m in interpreter().mounts)
+                      for m in python.mounts)
     script = JAIL.format(links=_links(), scratch=scratch, user=AS_ITS_OWN_USER if way == "root" else "",
                          interpreter=binds)
     return ["unshare", *user, "--mount", "--net", "--pid", "--ipc", "--fork", "--kill-child", "--propagation",
@@ -231,11 +239,12 @@ class Jailed:
 
     def __init__(self, program: str, stdin: int, stdout: int, *, processes: int, scratch: int, tests: bool = False):
         self.work: str | None = None
-        found, python = isolation(), interpreter()
+        found = isolation()
+        python = found.python or interpreter()
         if found.strict:
             pool = TESTS_UIDS if tests else UIDS
             uid = pool[(os.getpid() if tests else os.getpid() * 7919 + next(_SEQUENCE)) % len(pool)]
-            command, env, cwd = [*_jail_command(found.way, scratch), python.executable], _jail_env(uid), "/"
+            command, env, cwd = [*_jail_command(found.way, python, scratch), python.executable], _jail_env(uid), "/"
             self.cwd, self.nproc = "/tmp", processes if found.way == "root" else _tasks_of(os.getuid()) + processes
         else:
             warn_once()

@@ -43,7 +43,7 @@ def program(*modules: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-RUNNER = program("wire", "runner")
+RUNNER = program("wire", "syscalls", "runner")
 CHECKER = program("wire", "proxies", "checker")
 
 

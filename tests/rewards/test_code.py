@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import tempfile
+import warnings
 from pathlib import Path
 
 import pytest
@@ -166,7 +167,7 @@ def test_the_harness_files_and_processes_are_out_of_sight(tmp_path: Path) -> Non
               "PIDS = [p for p in os.listdir('/proc') if p.isdigit()]\n"
     root = {"bin", "sbin", "lib", "lib32", "lib64", "libx32", "dev", "proc", "tmp", "usr"}
     shown: dict[str, set[str]] = {"/": set()}  # the interpreter's folders, and each folder on the way to them
-    for mount in sandbox.interpreter().mounts:
+    for mount in (sandbox.isolation().python or sandbox.interpreter()).mounts:
         parts = Path(mount).parts
         for depth in range(1, len(parts)):
             shown.setdefault(str(Path(*parts[:depth])), set()).add(parts[depth])
@@ -186,6 +187,35 @@ def test_a_fork_bomb_is_bounded_and_scores_zero() -> None:
                "    except OSError:\n        break\n    if pids[-1] == 0:\n        import time; time.sleep(30); os._exit(0)\n"
                "FORKED = len(pids)\n")
     assert run_tests(counted, ["assert FORKED < 20"], timeout=30.0) == [True]  # RLIMIT_NPROC stopped it early
+
+
+TRACER = """
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+def trace_me():  # PTRACE_TRACEME: allowed to any process the kernel does not filter
+    return libc.ptrace(0, 0, 0, 0), ctypes.get_errno()
+def read_memory():  # process_vm_readv, here of itself: the call that reads another process's memory
+    class IoVec(ctypes.Structure):
+        _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+    into, source = ctypes.create_string_buffer(8), ctypes.create_string_buffer(b"1234567")
+    mine, theirs = IoVec(ctypes.addressof(into), 8), IoVec(ctypes.addressof(source), 8)
+    return libc.process_vm_readv(os.getpid(), ctypes.byref(mine), 1, ctypes.byref(theirs), 1, 0), ctypes.get_errno()
+"""
+
+
+@pytest.mark.skipif(os.uname().machine not in ("x86_64", "aarch64"), reason="the filter is written for these")
+@pytest.mark.parametrize("isolated", [True, False])
+def test_ptrace_and_other_processes_memory_are_refused(isolated: bool, request: pytest.FixtureRequest) -> None:
+    """The seccomp filter (flowrl.rewards.syscalls), jailed or not: where no namespace hides the harness, it is
+    what keeps a solution from tracing it."""
+    if isolated and not STRICT:
+        pytest.skip(sandbox.isolation().describe())
+    if not isolated:
+        request.getfixturevalue("degraded")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", sandbox.SandboxWarning)  # said once, tested below
+        found = run_tests(TRACER, ["assert trace_me() == (-1, 1)", "assert read_memory() == (-1, 1)"])
+    assert found == [True, True]
 
 
 def test_huge_output_is_bounded() -> None:
@@ -236,8 +266,6 @@ def degraded(monkeypatch: pytest.MonkeyPatch) -> sandbox.Isolation:
 def test_without_isolation_it_warns_once_saying_what_is_missing(degraded: sandbox.Isolation) -> None:
     with pytest.warns(sandbox.SandboxWarning, match=r"WITHOUT isolation.*Missing: root \(running as uid 1000"):
         assert code_tests("", ADD, tests=TESTS) == 1.0
-    import warnings
-
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert code_tests("", FORGE, tests=TESTS) == 0.0  # no second warning; verdicts are still made here
@@ -300,6 +328,8 @@ def test_an_unprivileged_caller_is_jailed_in_a_user_namespace_or_told_why_not() 
     if not out["describe"].startswith("strict"):
         assert "Missing: root (running as uid 65534); unprivileged user namespaces: " in out["describe"]
         return
-    assert out["describe"] == "strict: namespaces (mount, network, PID), a user namespace of its own, a root " \
-                              "holding /usr only"
+    assert out["describe"] in (  # its own Python where that user can read it, else the system's
+        "strict: namespaces (mount, network, PID, IPC), a user namespace of its own, a root holding /usr and "
+        "Python only", "strict: namespaces (mount, network, PID, IPC), a user namespace of its own, a root holding "
+        "/usr only (the system's Python: this one's folders could not be bound, so its packages are missing)")
     assert out == {**out, "snoop": [False], "seen": [True], "bomb": [False], "add": [True]}
