@@ -1,5 +1,6 @@
-"""`code_tests`' cost per row: wall time and CPU time (all processes: this one, the jails it reaped, and the warm
-tests' process with the children it reaped, read by psutil from /proc), for the flowrl on PYTHONPATH.
+"""`code_tests`' cost per row: wall time and CPU time (all processes: this one; the jails, whose processes it
+reaps as their subreaper, so that a jail's first process killed with `unshare` is counted too; and the warm tests'
+process with its children, live or reaped, read by psutil from /proc), for the flowrl on PYTHONPATH.
 
     python bench/code_rows.py --rows 20                          # this checkout
     python bench/code_rows.py --rows 20 --compare ../main        # alternated with another checkout, 3 rounds
@@ -12,6 +13,7 @@ tests use). Each case runs `--rows` times in turn (HumanEval: once over the 164)
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import resource
@@ -23,6 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+PR_SET_CHILD_SUBREAPER = 36
 ADD = "def add(a, b):\n    return a + b\n"
 MBPP = ("import math\ndef double(x):\n    return x * 2\ndef area(r):\n    return math.pi * r * r\n"
         "def common(a, b):\n    return list(set(a) & set(b))\n")
@@ -39,8 +42,26 @@ CASES: dict[str, tuple[str, list[Any]]] = {
 }
 
 
+def adopt_orphans() -> None:
+    """Make this process the reaper of its descendants' orphans: a jail's first process dies with `unshare` when
+    a row ends, and would be reaped (its CPU time counted) by the host's init, not here."""
+    ctypes.CDLL(None).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+
+
+def _reap_orphans() -> None:
+    while True:  # only exited orphans: every jail this process started was waited for when its row ended
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
 def cpu_seconds() -> float:
-    """CPU of this process, of the children it reaped, and of the warm tests' process (if any) with its own."""
+    """CPU of this process, of the children it reaped (orphans included), and of the warm tests' process (if
+    any) with its own children, live or reaped."""
+    _reap_orphans()
     own = resource.getrusage(resource.RUSAGE_SELF)
     reaped = resource.getrusage(resource.RUSAGE_CHILDREN)
     total = own.ru_utime + own.ru_stime + reaped.ru_utime + reaped.ru_stime
@@ -61,6 +82,7 @@ def cpu_seconds() -> float:
 def measure(rows: int) -> dict[str, dict[str, float]]:
     from flowrl.rewards.code import run_tests
 
+    adopt_orphans()
     out: dict[str, dict[str, float]] = {}
     for name, (code, tests) in CASES.items():
         run_tests(code, tests, timeout=60)  # warm: the tests' process starts once per process

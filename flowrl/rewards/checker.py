@@ -206,6 +206,8 @@ def serve(control: socket.socket, config: dict[str, Any]) -> None:
 
 
 def main() -> None:
+    for module in ("datetime", "decimal", "fractions"):  # what decoding may need: imported once here, not per row
+        importlib.import_module(module)
     control = socket.socket(fileno=os.dup(0))
     null = os.open(os.devnull, os.O_RDWR)
     for fd in (0, 1, 2):

@@ -36,6 +36,7 @@ import sysconfig
 import tempfile
 import warnings
 from dataclasses import dataclass
+from typing import Protocol
 
 from flowrl.rewards.bounded import end
 
@@ -243,13 +244,21 @@ def _tasks_of(uid: int) -> int:
     return count
 
 
+class Program(Protocol):
+    """What a jail runs: `python -I -S -c text(same_python)`; `same_python`: the jail runs this process's own
+    interpreter (so code compiled here runs there: flowrl.rewards.sessions.Program)."""
+
+    def text(self, same_python: bool) -> str: ...
+
+
 class Jailed:
     """One process running `program` (`python -I -S -c`) in a jail of its own, with `stdin` and `stdout` the
     descriptors given (or pipes: `subprocess.PIPE`). `task()` is what the program must be told of where it runs
     (its working directory, its process limit, its interpreter's paths); `close()` kills it and everything it
     started, and removes its directory when it had one of the host's."""
 
-    def __init__(self, program: str, stdin: int, stdout: int, *, processes: int, scratch: int, tests: bool = False):
+    def __init__(self, program: Program, stdin: int, stdout: int, *, processes: int, scratch: int,
+                 tests: bool = False):
         self.work: str | None = None
         found = isolation()
         python = found.python or interpreter()
@@ -264,7 +273,8 @@ class Jailed:
             command, env, cwd = [python.executable], dict(THREADS), self.work
             self.cwd, self.nproc = self.work, _tasks_of(os.getuid()) + processes
         self.paths = list(python.paths)
-        self.proc = subprocess.Popen([*command, "-I", "-S", "-c", program], stdin=stdin, stdout=stdout,
+        text = program.text(python.executable == interpreter().executable)
+        self.proc = subprocess.Popen([*command, "-I", "-S", "-c", text], stdin=stdin, stdout=stdout,
                                      stderr=subprocess.DEVNULL, cwd=cwd, env=env, start_new_session=True)
 
     def task(self) -> dict[str, object]:

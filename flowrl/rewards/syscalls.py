@@ -13,7 +13,7 @@ still holds.
 from __future__ import annotations
 
 import ctypes
-import platform
+import os
 
 AUDIT_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
 DENIED = {  # name: (x86_64, aarch64)
@@ -50,7 +50,7 @@ def program(machine: str) -> list[tuple[int, int, int, int]]:
 
 def deny() -> str | None:
     """Install the filter on this process (and what it starts); None when installed, else why not."""
-    machine = platform.machine()
+    machine = os.uname().machine
     if machine not in AUDIT_ARCH:
         return f"no filter written for {machine}"
     try:

@@ -19,13 +19,16 @@ quadratic) or nesting past `MAX_DEPTH` raises `BadReply`.
 from __future__ import annotations
 
 import collections
-import datetime
-import decimal
-import fractions
 import keyword
 import re
+import sys
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import datetime
+    import decimal
+    import fractions
 
 MAX_DEPTH = 100
 FLOOD = 64  # keys of one set or dict that may share a hash with another key
@@ -93,9 +96,11 @@ def _standard(x: Any, handle: Handle | None, depth: int) -> list[Any]:  # noqa: 
         return ["str", str.__str__(x)]
     if isinstance(x, (bytes, bytearray)):
         return ["bytearray" if isinstance(x, bytearray) else "bytes", bytes(x).hex()]
-    if isinstance(x, fractions.Fraction):
+    fractions, decimal, datetime = (sys.modules.get(m) for m in ("fractions", "decimal", "datetime"))
+    # (none of them imported: no value of theirs exists, and the solution's process is spared their import)
+    if fractions is not None and isinstance(x, fractions.Fraction):
         return ["fraction", format(x.numerator, "x"), format(x.denominator, "x")]
-    if isinstance(x, decimal.Decimal):
+    if decimal is not None and isinstance(x, decimal.Decimal):
         return ["decimal", decimal.Decimal.__str__(x)]
     if isinstance(x, tuple):
         fields = getattr(type(x), "_fields", None)
@@ -126,10 +131,10 @@ def _standard(x: Any, handle: Handle | None, depth: int) -> list[Any]:  # noqa: 
         return ["range", format(x.start, "x"), format(x.stop, "x"), format(x.step, "x")]
     if isinstance(x, collections.deque):
         return ["deque", [encode(v, handle, d) for v in x], x.maxlen]
-    if isinstance(x, (datetime.date, datetime.time)) and not _zoned(x):
+    if datetime is not None and isinstance(x, (datetime.date, datetime.time)) and not _zoned(x):
         kind = "datetime" if isinstance(x, datetime.datetime) else "date" if isinstance(x, datetime.date) else "time"
         return [kind, x.isoformat()]
-    if isinstance(x, datetime.timedelta):
+    if datetime is not None and isinstance(x, datetime.timedelta):
         return ["timedelta", x.days, x.seconds, x.microseconds]
     if type(x).__module__ == "numpy":
         out = _numpy(x, handle, d)
@@ -142,6 +147,8 @@ def _standard(x: Any, handle: Handle | None, depth: int) -> list[Any]:  # noqa: 
 
 def _zoned(x: Any) -> bool:
     """A time zone other than a fixed offset (a zoneinfo zone's rules do not travel)."""
+    import datetime
+
     tz = getattr(x, "tzinfo", None)
     return tz is not None and type(tz) is not datetime.timezone
 
@@ -222,6 +229,8 @@ def _float(s: Any) -> float:
 
 
 def _fraction(v: Any, resolve: Resolve | None, depth: int) -> fractions.Fraction:
+    import fractions
+
     num, den = _int(v[1]), _int(v[2])
     if num.bit_length() + den.bit_length() > FRACTION_BITS:
         raise BadReply("a fraction too large to normalize")
@@ -229,6 +238,8 @@ def _fraction(v: Any, resolve: Resolve | None, depth: int) -> fractions.Fraction
 
 
 def _decimal(v: Any, resolve: Resolve | None, depth: int) -> decimal.Decimal:
+    import decimal
+
     if not isinstance(v[1], str) or len(v[1]) > (8 << 20):
         raise BadReply("not a decimal")
     return decimal.Decimal(v[1])
@@ -272,11 +283,13 @@ def _ndarray(v: Any, resolve: Resolve | None, depth: int) -> Any:
     return numpy.array(items, dtype=numpy.dtype(dtype)).reshape(shape)
 
 
-def _text(kind: Callable[[str], Any]) -> Callable[[Any, Resolve | None, int], Any]:
+def _text(kind: str) -> Callable[[Any, Resolve | None, int], Any]:
     def make(v: Any, resolve: Resolve | None, depth: int) -> Any:
+        import datetime
+
         if not isinstance(v[1], str) or len(v[1]) > 64:
             raise BadReply("malformed")
-        return kind(v[1])
+        return getattr(datetime, kind).fromisoformat(v[1])
     return make
 
 
@@ -293,6 +306,8 @@ def _str(v: Any, resolve: Resolve | None, depth: int) -> str:
 
 
 def _timedelta(v: Any, resolve: Resolve | None, depth: int) -> datetime.timedelta:
+    import datetime
+
     if not all(type(n) is int for n in v[1:4]):
         raise BadReply("a malformed timedelta")
     return datetime.timedelta(days=v[1], seconds=v[2], microseconds=v[3])
@@ -323,9 +338,9 @@ _DECODE: dict[str, Callable[[Any, Resolve | None, int], Any]] = {
     "items": lambda v, r, d: dict(_mapping(v[1], r, d)).items(),
     "range": lambda v, r, d: range(_int(v[1]), _int(v[2]), _int(v[3])),
     "deque": _deque,
-    "date": _text(datetime.date.fromisoformat),
-    "datetime": _text(datetime.datetime.fromisoformat),
-    "time": _text(datetime.time.fromisoformat),
+    "date": _text("date"),
+    "datetime": _text("datetime"),
+    "time": _text("time"),
     "timedelta": _timedelta,
     "ndarray": _ndarray,
 }

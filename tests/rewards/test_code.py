@@ -282,6 +282,31 @@ def test_strict_is_available_here() -> None:
     assert sandbox.isolation().describe().startswith("strict: namespaces")
 
 
+def test_the_jailed_programs_fit_in_one_argument() -> None:
+    """They travel as `python -c PROGRAM`: one argument holds at most 128 KiB (MAX_ARG_STRLEN)."""
+    from flowrl.rewards.sessions import CHECKER, RUNNER
+
+    assert max(len(p.text(same).encode()) for p in (RUNNER, CHECKER) for same in (True, False)) < 128 * 1024
+
+
+@needs_strict
+@pytest.mark.skipif(not os.path.exists(sandbox.SYSTEM.executable), reason="no system Python")
+def test_the_systems_python_serves_where_this_ones_cannot_be_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fallback of a caller who cannot read this interpreter's folders: the modules travel as source."""
+    from flowrl.rewards.sessions import TestsSide
+
+    found = sandbox.isolation()
+    monkeypatch.setattr(sandbox, "_FOUND", [sandbox.Isolation(True, way=found.way, python=sandbox.SYSTEM)])
+    monkeypatch.setattr(TestsSide, "_shared", None)  # a tests' process of its own, on that Python, for this test
+    try:
+        assert run_tests(ADD + "import sys\nEXE = sys.executable\n",
+                         [*TESTS, f"assert EXE == {sandbox.SYSTEM.executable!r}", {"input": "", "output": ""}]) == \
+            [True] * 5
+    finally:
+        if TestsSide._shared is not None:
+            TestsSide._shared.close()
+
+
 NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
 AS_NOBODY = """
 import json, sys
