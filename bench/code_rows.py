@@ -74,7 +74,10 @@ def cpu_seconds() -> float:
     side = TestsSide._shared
     if side is not None and side.jailed.proc.poll() is None:
         for proc in psutil.Process(side.jailed.proc.pid).children(recursive=True):
-            t = proc.cpu_times()
+            try:
+                t = proc.cpu_times()
+            except psutil.NoSuchProcess:  # a row's child reaped since the listing: counted in its parent's now
+                continue
             total += t.user + t.system + t.children_user + t.children_system
     return total
 
@@ -132,7 +135,9 @@ def main() -> None:
         for label in (checkouts if r % 2 == 0 else list(reversed(checkouts))):
             env = {**os.environ, "PYTHONPATH": checkouts[label]}
             run = subprocess.run([sys.executable, __file__, "--rows", str(args.rows), "--json"], env=env,
-                                 capture_output=True, text=True, check=True)
+                                 capture_output=True, text=True)
+            if run.returncode != 0:
+                sys.exit(f"{label} ({checkouts[label]}) failed:\n{run.stderr[-3000:]}")
             seen[label].append(json.loads(run.stdout.splitlines()[-1]))
             print(f"round {r + 1} {label}: done", flush=True)
     print(f"\n| row | {checkouts['other']}: wall, CPU | {checkouts['this']}: wall, CPU | passed (other, this) |")

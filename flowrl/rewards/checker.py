@@ -51,20 +51,29 @@ else:  # in the jail the bootstrap loaded them as flowrl_NAME; in the repository
 CHECKED = "__flowrl_assert_held__"
 
 
-class _CountAsserts(ast.NodeTransformer):
-    """`assert x` becomes `assert x; CHECKED()`: an assert that held, counted wherever it stands."""
-
-    def visit_Assert(self, node: ast.Assert) -> list[ast.stmt]:  # noqa: N802 (ast's name)
-        count = ast.Expr(ast.Call(ast.Name(CHECKED, ast.Load()), [], []))
-        return [node, ast.copy_location(count, node)]
-
-
 def prepare(source: str) -> tuple[types.CodeType, set[str]]:
-    """The test compiled with its asserts counted (never optimized away), and the names it uses."""
+    """The test compiled with its asserts counted (`assert x` becomes `assert x; CHECKED()`, wherever it stands;
+    never optimized away), and the names it uses. One walk over the tree does both."""
     tree = ast.parse(source, "test")
-    names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
-    tree = ast.fix_missing_locations(_CountAsserts().visit(tree))
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name):
+            names.add(node.id)
+            continue
+        for field in ("body", "orelse", "finalbody"):
+            stmts = getattr(node, field, None)
+            if isinstance(stmts, list) and any(isinstance(s, ast.Assert) for s in stmts):
+                setattr(node, field, [c for s in stmts for c in ((s, _count(s)) if isinstance(s, ast.Assert) else (s,))])
     return compile(tree, "test", "exec", dont_inherit=True, optimize=0), names
+
+
+def _count(at: ast.Assert) -> ast.stmt:
+    name = ast.Name(CHECKED, ast.Load())
+    call = ast.Call(name, [], [])
+    count = ast.Expr(call)
+    for node in (count, call, name):  # the assert's place, for the compiler and tracebacks
+        ast.copy_location(node, at)
+    return count
 
 
 def solution_module(link: proxies.Link) -> types.ModuleType:
