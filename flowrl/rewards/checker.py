@@ -224,6 +224,7 @@ def main() -> None:
     os.close(null)
     config = json.loads(control.recv(1 << 16))
     os.chdir(config["cwd"])
+    resource.setrlimit(resource.RLIMIT_NPROC, (config["nproc"], config["nproc"]))  # its rows' children and more
     sys.path.extend(config.get("paths", []))
     if hasattr(sys, "set_int_max_str_digits"):
         sys.set_int_max_str_digits(0)
