@@ -17,8 +17,8 @@ A test's code runs here, in a namespace holding the names it uses from the solut
   bound to it: a solution cannot hand the tests a `math` whose `isclose` says yes;
 - a name the solution takes from a module (`from math import sqrt`) is the tests' own, when the name is the
   object's; a constant is its value; an exception class is a class of that name deriving from the same builtin;
-- a builtin is never shadowed: a solution defining `set`, `sorted` or `all` does not change the tests' (the
-  module `solution`, importable here, does hold them).
+- a builtin is never shadowed: a solution defining `set`, `sorted` or `all` does not change the tests', and
+  `from solution import *` leaves them out (`from solution import sorted`, asked for by name, is the solution's).
 
 The rule for a verdict: a test passes when its code runs to its end here without an exception and made at least
 one check: an `assert` that held (counted here at every depth, so `def check(candidate): assert ...` counts) or a
@@ -89,7 +89,8 @@ def solution_module(link: proxies.Link) -> types.ModuleType:
             raise AttributeError(f"module 'solution' has no attribute {name!r}")
 
     mod = Solution("solution")
-    mod.__all__ = [n for n in link.names if not n.startswith("_")]  # type: ignore[attr-defined]
+    # `from solution import *` brings no builtin's name: a solution's `sorted` would become the test's
+    mod.__all__ = [n for n in link.names if not n.startswith("_") and not hasattr(builtins, n)]  # type: ignore[attr-defined]
     return mod
 
 

@@ -10,8 +10,8 @@ each test is one of:
   `all(...)` and `math.isclose` run on the tests' side on real values. The solution is loaded once as module
   `solution` (importable by the tests: `from solution import add`); its `if __name__ == "__main__":` part does not
   run. The rule for a verdict (passes when it ran to its end with at least one check made there: an `assert`
-  that held or a call that returned), what a test may use of the solution's names and what crosses by value are
-  in flowrl/rewards/checker.py, proxies.py and wire.py.
+  that held or a call answered), what a test may use of the solution's names and what crosses by value are in
+  flowrl/rewards/checker.py, proxies.py and wire.py.
 - `{"input": "...", "output": "..."}` (the competitive-programming form): the solution runs as a program with
   `input` on its stdin; it passes when it exits with status 0 and its stdout equals `output` token by token
   (whitespace-normalised: `" 1 2\\n"` equals `"1  2"`). The output is read (at most `OUTPUT_BYTES`, then it is

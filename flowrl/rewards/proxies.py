@@ -7,7 +7,8 @@ no plain form comes back as another proxy: its attributes, methods, `len`, `str`
 iteration go to the solution (each answer plain data again), but `==`, `!=`, `<`, `<=`, `>`, `>=` and `in` on it
 raise `NoPlainForm`: there the solution, not the tests, would decide. Exceptions the solution raises are raised
 here as the same builtin type (or as a class of the same name deriving from it, when the solution defines one the
-test names), with the same arguments. A list, dict, set or bytearray argument that the call changed is changed
+test names), with the same arguments; but StopIteration, which would silently end a test's `map()` or `all(...)`,
+arrives as RuntimeError (as PEP 479 has it for generators). A list, dict, set or bytearray argument that the call changed is changed
 here too (copied back by value: its contents, not the identity of objects nested in it). An iterator the solution
 returns is read in growing batches (1, 2, 4, ... 4,096 items a round trip), so a generator runs that far ahead.
 """
@@ -134,6 +135,8 @@ class Link:
             raise wire.BadReply("a malformed exception")
         base = getattr(builtins, str(info.get("type")), None)
         cls = base if isinstance(base, type) and issubclass(base, BaseException) else Exception
+        if issubclass(cls, (StopIteration, StopAsyncIteration)):  # as PEP 479 does for generators: raised out of a
+            raise RuntimeError(f"the solution raised {cls.__name__}")  # call, it would end a test's map() early
         own = info.get("own")
         if isinstance(own, str) and self.names.get(own, [None])[0] == "exception":
             cls = self.bind(own)

@@ -253,8 +253,16 @@ def test_the_tests_builtins_and_modules_are_their_own() -> None:
     code = ("import math\ndef sorted(xs):\n    return [0]\ndef f(x):\n    return x\nclass re:\n    match = None\n"
             "import numpy as np\nnp = None\n")
     tests = ["assert sorted([2, 1]) == [1, 2]", "assert math.sqrt(f(4)) == 2", "assert re.match('a', 'a')",
-             "assert np.array([f(1)]).sum() == 1", "from solution import sorted\nassert sorted([2, 1]) == [0]"]
-    assert run_tests(code, tests) == [True] * 5
+             "assert np.array([f(1)]).sum() == 1", "from solution import sorted\nassert sorted([2, 1]) == [0]",
+             "from solution import *\nassert sorted([2, 1]) == [1, 2] and f(3) == 3"]
+    assert run_tests(code, tests) == [True] * 6
+
+
+def test_a_stop_iteration_from_a_call_cannot_end_a_tests_loop_early() -> None:
+    """In Python `all(map(f, xs))` is True when f raises StopIteration at once: arriving as RuntimeError, it fails."""
+    code = "def ok(x):\n    raise StopIteration\ndef count():\n    yield 1\n"
+    found = grade(code, ["assert all(map(ok, [1, 2]))", "assert list(count()) == [1]"])
+    assert found.reasons == ("raised", None)
 
 
 def test_each_failure_is_counted_by_its_reason_in_the_rewards_notes() -> None:
