@@ -13,7 +13,9 @@ Anything else (an object of a class the solution defines, a function, an iterato
 (`["handle", id, kind, type name, class name]`): the tests' side makes it a proxy whose calls go back to the
 solution (`flowrl.rewards.proxies`). `decode` trusts nothing: a malformed reply, a set or dict whose keys share
 hashes past `FLOOD` (a hash-flooding reply: quadratic to build), a fraction past `FRACTION_BITS` (its gcd is
-quadratic) or nesting past `MAX_DEPTH` raises `BadReply`.
+quadratic), more than `NAMEDTUPLES` namedtuple types (each a class compiled) or nesting past `MAX_DEPTH` raises
+`BadReply`. What is left costs time linear in the reply's bytes (at most `REPLY_BYTES`, flowrl.rewards.code), and
+all of it runs in the tests' process, under the row's deadline: never in the harness.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ if TYPE_CHECKING:
 MAX_DEPTH = 100
 FLOOD = 64  # keys of one set or dict that may share a hash with another key
 FRACTION_BITS = 1 << 17
+NAMEDTUPLES = 256  # distinct namedtuple types a process makes
 DTYPE = re.compile(r"[<>|=]?[biufcUS]\d{1,4}")  # numpy arrays of numbers, bools and strings only
 FACTORIES = {"int": int, "float": float, "str": str, "list": list, "dict": dict, "set": set, "tuple": tuple,
              "bool": bool, "bytes": bytes, "frozenset": frozenset}
@@ -253,8 +256,8 @@ def _namedtuple(v: Any, resolve: Resolve | None, depth: int) -> tuple[Any, ...]:
         raise BadReply("a malformed namedtuple")
     key = (name if name.isidentifier() and not keyword.iskeyword(name) else "namedtuple", tuple(fields))
     if key not in _NAMEDTUPLES:
-        if len(_NAMEDTUPLES) > 256:
-            _NAMEDTUPLES.clear()
+        if len(_NAMEDTUPLES) >= NAMEDTUPLES:  # each a class made (compiled) here: a bound on what a reply costs
+            raise BadReply(f"more than {NAMEDTUPLES} namedtuple types")
         _NAMEDTUPLES[key] = collections.namedtuple(key[0], key[1])
     return _NAMEDTUPLES[key](*items)
 

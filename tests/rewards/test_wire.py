@@ -150,6 +150,17 @@ def test_a_malformed_or_costly_reply_is_refused(reply: Any, why: str) -> None:
         decode(reply)
 
 
+def test_namedtuple_types_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    from flowrl.rewards import wire
+
+    monkeypatch.setattr(wire, "_NAMEDTUPLES", {})
+    reply = ["list", [["namedtuple", f"T{i}", ["a"], [["none"]]] for i in range(wire.NAMEDTUPLES)]]
+    assert len(decode(reply)) == wire.NAMEDTUPLES
+    assert decode(["namedtuple", "T0", ["a"], [["int", "1"]]]).a == 1  # made once, used again
+    with pytest.raises(BadReply, match="namedtuple types"):
+        decode(["namedtuple", "Another", ["a"], [["none"]]])
+
+
 def test_deep_nesting_is_refused_not_a_crash() -> None:
     deep: Any = ["none"]
     for _ in range(200):
