@@ -1,16 +1,19 @@
 """The solution as the tests' process sees it (flowrl.rewards.checker): `Link`, the pipe to the solution's process,
 and `Remote`, a proxy for something that lives there. Standard library only (it runs in the tests' jail).
 
-A call on a proxy sends its arguments by value (`wire.encode`; a proxy argument by its handle), and what comes back
-is plain data made here (`wire.decode`): real ints, lists, Counters, ..., compared by the tests' own code. What has
-no plain form comes back as another proxy: its attributes, methods, `len`, `str`, indexing, arithmetic and
-iteration go to the solution (each answer plain data again), but `==`, `!=`, `<`, `<=`, `>`, `>=` and `in` on it
-raise `NoPlainForm`: there the solution, not the tests, would decide. Exceptions the solution raises are raised
-here as the same builtin type (or as a class of the same name deriving from it, when the solution defines one the
-test names), with the same arguments; but StopIteration, which would silently end a test's `map()` or `all(...)`,
-arrives as RuntimeError (as PEP 479 has it for generators). A list, dict, set or bytearray argument that the call changed is changed
-here too (copied back by value: its contents, not the identity of objects nested in it). An iterator the solution
-returns is read in growing batches (1, 2, 4, ... 4,096 items a round trip), so a generator runs that far ahead.
+A call on a proxy sends its arguments by value (`wire.encode`; a proxy argument by its handle; a function or
+object of the tests' own cannot be sent: NoPlainForm), and what comes back is plain data made here
+(`wire.decode`): real ints, lists, Counters, ..., compared by the tests' own code. What has no plain form comes
+back as another proxy: its attributes, methods, `len`, `str`, indexing, arithmetic and iteration go to the
+solution (each answer plain data again). `==`, `!=`, `<`, `<=`, `>`, `>=` and `in` on it raise `NoPlainForm`
+(there the solution, not the tests, would decide), unless its class compares as `object` does: then by identity
+here, as Python would. Exceptions the solution raises are raised here as the same builtin type (or as a class of
+the same name deriving from it, when the solution defines one the test names), with the same arguments; but
+StopIteration, which would silently end a test's `map()` or `all(...)`, arrives as RuntimeError (as PEP 479 has
+it for generators). A list, dict, set or bytearray argument (positional or by keyword) that the call changed is
+changed here too (copied back by value: its contents, not the identity of objects nested in it). An iterator the
+solution returns is read in growing batches (1, 2, 4, ... 4,096 items a round trip), so a generator runs that
+far ahead.
 """
 
 from __future__ import annotations
@@ -154,9 +157,11 @@ class Link:
                           "kwargs": [[k, self.out(v)] for k, v in kwargs.items()]})
         result = self.value(reply.get("ok"))
         back = reply.get("back", [])
-        for i, v in back if isinstance(back, list) else []:
-            if type(i) is int and 0 <= i < len(args):
-                _restore(args[i], self.value(v))
+        for key, v in back if isinstance(back, list) else []:
+            if type(key) is int and 0 <= key < len(args):
+                _restore(args[key], self.value(v))
+            elif type(key) is str and key in kwargs:
+                _restore(kwargs[key], self.value(v))
         return result
 
     def get(self, ref: list[Any], name: str | None = None) -> Any:

@@ -168,10 +168,10 @@ def _next(it: Any, n: Any, table: Table) -> dict[str, Any]:
 
 def answer(req: dict[str, Any], table: Table) -> dict[str, Any]:
     """One request's answer (see the module docstring)."""
-    op, sent = req.get("op"), req.get("args", [])
+    op, sent, sent_kw = req.get("op"), req.get("args", []), {str(k): a for k, a in req.get("kwargs", [])}
     try:
         args = [wire.decode(a, table.get) for a in sent]
-        kwargs = {str(k): wire.decode(a, table.get) for k, a in req.get("kwargs", [])}
+        kwargs = {k: wire.decode(a, table.get) for k, a in sent_kw.items()}
     except BaseException as e:  # the tests' side's mistake, not the solution's
         return {"refused": f"bad arguments: {type(e).__name__}: {e}"}
     ref = req.get("ref")
@@ -201,9 +201,11 @@ def answer(req: dict[str, Any], table: Table) -> dict[str, Any]:
     try:
         out: dict[str, Any] = {"ok": wire.encode(result, table.add)}
         if op == "call":  # arguments the call changed in place, by value: `f(xs)` sorting `xs` is seen
-            now = [(i, wire.encode(a, table.add)) for i, a in enumerate(args)
+            given: list[tuple[int | str, Any, Any]] = [(i, a, sent[i]) for i, a in enumerate(args)]
+            given += [(k, a, sent_kw[k]) for k, a in kwargs.items()]
+            now = [(key, wire.encode(a, table.add), before) for key, a, before in given
                    if type(a) in (list, dict, set, bytearray)]
-            out["back"] = [[i, v] for i, v in now if v != sent[i]]
+            out["back"] = [[key, v] for key, v, before in now if v != before]
         return out
     except BaseException as e:  # nested too deep, too many handles, an object lying about its class
         return {"unplain": f"{type(e).__name__}: {e}"[:300]}

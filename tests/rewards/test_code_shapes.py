@@ -215,8 +215,9 @@ def test_arguments_changed_in_place_are_seen_by_the_tests() -> None:
              "d = {}\nfill(d)\nassert d == {'k': [1]}",
              "rows = [[1], [2]]\ninner(rows)\nassert rows == [[1, 9], [2]]",
              "t = ([3, 1],)\nsort_in_place(t[0])\nassert t == ([1, 3],)",
-             "xs = [1]\nassert keep(xs) == 1 and xs == [1]"]
-    assert run_tests(code, tests) == [True] * 5
+             "xs = [1]\nassert keep(xs) == 1 and xs == [1]",
+             "xs = [2, 1]\nsort_in_place(xs=xs)\nassert xs == [1, 2]"]
+    assert run_tests(code, tests) == [True] * 6
 
 
 def test_iterators_are_read_as_the_tests_need_them() -> None:
