@@ -176,12 +176,16 @@ def _child(req: dict[str, Any], fds: list[int], config: dict[str, Any]) -> None:
 
 
 def _reap(children: dict[int, int]) -> None:
-    for token, pid in list(children.items()):
+    """Reap every child that ended (they are all rows'), and forget them: a zombie kept counts against the
+    process limit, and its pid cannot be reused while it is one (so a token never names another row's child)."""
+    while True:
         try:
-            done, _ = os.waitpid(pid, os.WNOHANG)
+            pid, _ = os.waitpid(-1, os.WNOHANG)
         except ChildProcessError:
-            done = pid
-        if done:
+            return
+        if pid == 0:
+            return
+        for token in [t for t, p in children.items() if p == pid]:
             del children[token]
 
 
@@ -197,7 +201,7 @@ def serve(control: socket.socket, config: dict[str, Any]) -> None:
         try:
             req = json.loads(msg)
             if "kill" in req and req["kill"] in children:
-                os.kill(children.pop(req["kill"]), signal.SIGKILL)
+                os.kill(children[req["kill"]], signal.SIGKILL)  # reaped (and forgotten) with the next message
             elif "run" in req and len(fds) == 3:
                 pid = os.fork()
                 if pid == 0:

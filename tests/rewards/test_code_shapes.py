@@ -296,9 +296,32 @@ def test_a_reply_past_the_limit_fails_its_test_and_the_row_goes_on() -> None:
 
 
 def test_a_test_that_never_ends_is_stopped_at_the_rows_deadline() -> None:
-    found = grade(ADD, ["assert add(1, 1) == 2", "while True:\n    pass", "assert add(1, 2) == 3"], timeout=2)
+    never = "import threading\nthreading.Event().wait()"  # waits without end (and without a CPU, at no one's cost)
+    found = grade(ADD, ["assert add(1, 1) == 2", never, "assert add(1, 2) == 3"], timeout=5)
     assert found.reasons == (None, "timeout", "timeout")
     assert run_tests(ADD, ["assert add(2, 2) == 4"]) == [True]  # the tests' process serves the next row
+
+
+def test_the_tests_process_leaves_no_zombie_behind() -> None:
+    """Every row's child is reaped, the ones killed at their row's end too: kept as zombies, they counted against
+    the tests' process's limit of processes until no row could start (seen after ~1,000 HumanEval rows)."""
+    import psutil
+
+    from flowrl.rewards.sessions import TestsSide
+
+    for _ in range(3):  # a row's child still running at the deadline: killed then, reaped with a later message
+        assert grade(ADD, ["import threading\nthreading.Event().wait()"], timeout=1).reasons == ("timeout",)
+    for _ in range(5):
+        assert run_tests(ADD, ["assert add(1, 1) == 2"]) == [True]
+    side = TestsSide._shared
+    assert side is not None
+    kept = 0
+    for proc in psutil.Process(side.jailed.proc.pid).children(recursive=True):
+        try:
+            kept += proc.status() == psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:  # reaped since the listing
+            pass
+    assert kept <= 1  # the last row's, reaped when the next row comes
 
 
 @needs_strict
