@@ -23,9 +23,10 @@ A test's code runs here, in a namespace holding the names it uses from the solut
 The rule for a verdict: a test passes when its code runs to its end here without an exception and made at least
 one check: an `assert` that held (counted here at every depth, so `def check(candidate): assert ...` counts) or a
 call into the solution that was answered, by a value or a raise (so `if add(2, 2) != 4: raise ValueError` and
-`with pytest.raises(ValueError): f(-1)` are tests). A test that asserts nothing and calls nothing (`x = 1`) fails. A failed test's reason: `assert`, `raised` (any other exception, one
-the solution raised among them), `no_plain_form` (a value that has none was compared or sent), `bad_reply`,
-`solution_ended`, `no_check`, `not_loaded` (the code did not load), `bad_test` (not Python).
+`with pytest.raises(ValueError): f(-1)` are tests). A test that asserts nothing and calls nothing (`x = 1`)
+fails. A failed test's reason: `assert`, `raised` (any other exception, one the solution raised among them),
+`no_plain_form` (a value that has none was compared or sent), `bad_reply`, `solution_ended`, `no_check`,
+`not_loaded` (the code did not load), `bad_test` (not Python); the harness adds `timeout`.
 """
 
 from __future__ import annotations
@@ -63,7 +64,8 @@ def prepare(source: str) -> tuple[types.CodeType, set[str]]:
         for field in ("body", "orelse", "finalbody"):
             stmts = getattr(node, field, None)
             if isinstance(stmts, list) and any(isinstance(s, ast.Assert) for s in stmts):
-                setattr(node, field, [c for s in stmts for c in ((s, _count(s)) if isinstance(s, ast.Assert) else (s,))])
+                counted = [(s, _count(s)) if isinstance(s, ast.Assert) else (s,) for s in stmts]
+                setattr(node, field, [c for pair in counted for c in pair])
     return compile(tree, "test", "exec", dont_inherit=True, optimize=0), names
 
 
@@ -90,7 +92,8 @@ def solution_module(link: proxies.Link) -> types.ModuleType:
 
     mod = Solution("solution")
     # `from solution import *` brings no builtin's name: a solution's `sorted` would become the test's
-    mod.__all__ = [n for n in link.names if not n.startswith("_") and not hasattr(builtins, n)]  # type: ignore[attr-defined]
+    public = [n for n in link.names if not n.startswith("_") and not hasattr(builtins, n)]
+    mod.__all__ = public  # type: ignore[attr-defined]
     return mod
 
 
