@@ -13,6 +13,7 @@ tests use). Each case runs `--rows` times in turn (HumanEval: once over the 164)
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import json
 import os
@@ -49,13 +50,10 @@ def adopt_orphans() -> None:
 
 
 def _reap_orphans() -> None:
-    while True:  # only exited orphans: every jail this process started was waited for when its row ended
-        try:
-            pid, _ = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
+    # only exited orphans: every jail this process started was waited for when its row ended
+    with contextlib.suppress(ChildProcessError):
+        while os.waitpid(-1, os.WNOHANG)[0] != 0:
+            pass
 
 
 def cpu_seconds() -> float:
