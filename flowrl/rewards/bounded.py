@@ -17,6 +17,7 @@ import atexit
 import json
 import os
 import select
+import signal
 import subprocess
 import sys
 import threading
@@ -68,17 +69,26 @@ class _Process:
             return False
 
     def kill(self) -> None:
+        end(self.proc)
+
+
+def end(proc: subprocess.Popen[bytes], group: bool = False) -> None:
+    """Kill `proc` (with `group`, its whole process group: it was started in a session of its own), reap it and
+    close the pipes this process holds to it. Also what ends the sandbox's jails (flowrl.rewards.sandbox)."""
+    try:
+        if group:
+            os.killpg(proc.pid, signal.SIGKILL)
+        else:
+            proc.kill()
+    except (ProcessLookupError, PermissionError, OSError):
+        pass
+    proc.wait()
+    for stream in (proc.stdin, proc.stdout):
         try:
-            self.proc.kill()
+            if stream is not None:
+                stream.close()
         except OSError:
             pass
-        self.proc.wait()
-        for stream in (self.proc.stdin, self.proc.stdout):
-            try:
-                if stream is not None:
-                    stream.close()
-            except OSError:
-                pass
 
 
 class Helpers:

@@ -119,6 +119,8 @@ class Controller:
         for scorer in self.rewards.values():
             if scorer.overlaps or scorer.on_error == "zero":  # what `on_error = "zero"` absorbed
                 out.update(scorer.take_counts())
+            else:  # an inline reward that fails the step on error: only the notes its values carry
+                out.update(scorer.take_counts(notes_only=True))
         return out
 
     def _stage(self, node: Node, values: dict[str, Batch], step: int, metrics: dict[str, float]) -> list[StageRun]:

@@ -187,14 +187,15 @@ def _make_batch_hint(inputs: Mapping[str, Batch]) -> str:
             "see docs/language.md, User functions")
 
 
-def score_rollout(name: str, reward: RewardFn, rollout: Batch) -> Batch:
-    """Call a reward function on every sample; a raise or a non-finite value names the sample."""
+def score_rollout(name: str, reward: RewardFn, rollout: Batch, seen: Callable[[Any], None] | None = None) -> Batch:
+    """Call a reward function on every sample; a raise or a non-finite value names the sample. `seen` is shown
+    each value as returned (the scorers read the notes a `flowrl.rewards.graded.Graded` carries)."""
     prompts, responses = rollout.meta["prompt"], rollout.meta["response"]
     rows = rollout.meta.get("row", [{}] * rollout.size)
     if reward.batched:
-        values = _call_batched(name, reward, prompts, responses, rows)
+        values = _call_batched(name, reward, prompts, responses, rows, seen)
     else:
-        values = [_call_one(name, reward, i, p, r, row) for i, (p, r, row) in
+        values = [_call_one(name, reward, i, p, r, row, seen) for i, (p, r, row) in
                   enumerate(zip(prompts, responses, rows, strict=True))]
     return rollout.derive("scores", scores=torch.tensor(values, dtype=torch.float32))
 
@@ -206,11 +207,14 @@ def _sample_error(name: str, index: int, prompt: str, response: str, problem: st
     ))
 
 
-def _call_one(name: str, reward: RewardFn, i: int, prompt: str, response: str, row: Mapping[str, Any]) -> float:
+def _call_one(name: str, reward: RewardFn, i: int, prompt: str, response: str, row: Mapping[str, Any],
+              seen: Callable[[Any], None] | None = None) -> float:
     try:
         value = reward.fn(prompt, response, **extra_columns(reward.fn, row))
     except Exception as e:  # the user's function failed: say which sample made it fail
         raise _sample_error(name, i, prompt, response, f"raised {type(e).__name__}: {e}") from e
+    if seen is not None:
+        seen(value)
     try:
         out = float(value)
     except (TypeError, ValueError):
@@ -221,7 +225,7 @@ def _call_one(name: str, reward: RewardFn, i: int, prompt: str, response: str, r
 
 
 def _call_batched(name: str, reward: RewardFn, prompts: list[str], responses: list[str],
-                  rows: list[Mapping[str, Any]]) -> list[float]:
+                  rows: list[Mapping[str, Any]], seen: Callable[[Any], None] | None = None) -> list[float]:
     keys = sorted({k for r in rows for k in r if k != "prompt"})
     columns = {k: [r.get(k) for r in rows] for k in keys}
     try:
@@ -234,6 +238,8 @@ def _call_batched(name: str, reward: RewardFn, prompts: list[str], responses: li
                                      f"{len(prompts)} samples"))
     out = []
     for i, v in enumerate(values):
+        if seen is not None:
+            seen(v)
         f = float(v) if isinstance(v, (int, float)) else math.nan
         if not math.isfinite(f):
             raise _sample_error(name, i, prompts[i], responses[i], f"returned {v!r}")

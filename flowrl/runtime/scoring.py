@@ -10,6 +10,9 @@
 - `http("url")`: batches of samples are POSTed to a scoring service (`flowrl.rewards.http.HttpReward`).
 - `on_error = "zero"` holds for each of them: a sample whose reward raised, returned a non-number, timed out or
   crashed scores 0 and is counted (`reward/NAME/errors`, `reward/NAME/timeouts`) instead of failing the step.
+- A reward that says why (`flowrl.rewards.graded.Graded`: a float with `notes`) has its notes summed over the
+  step's samples as `reward/NAME/KEY` (`code_tests`: `reward/NAME/failed/no_plain_form`, ...), inline or from
+  workers alike.
 - `sandbox = "strict"` (for `code_tests`): the run refuses to start where strict isolation is not available
   (`flowrl.rewards.sandbox`), with an error at the reward's line saying what is missing.
 
@@ -38,6 +41,7 @@ import torch
 from flowrl.errors import Diagnostic, Loc, RewardError
 from flowrl.ir.graph import RewardDecl
 from flowrl.registry import RewardFn, extra_columns, resolve_reward
+from flowrl.rewards.graded import notes_of
 from flowrl.rewards.signature import expected_signature, signature_problem
 from flowrl.rewards.worker import serve
 from flowrl.runtime.batch import Batch
@@ -50,6 +54,7 @@ class Counts:
 
     errors: int = 0
     timeouts: int = 0
+    notes: dict[str, int] = field(default_factory=dict)  # summed from the values' notes (Graded)
 
 
 @dataclass
@@ -83,11 +88,22 @@ class Scorer:
     def score(self, batch: Batch) -> Batch:
         return self.submit(batch).result()
 
-    def take_counts(self) -> dict[str, float]:
+    def take_counts(self, notes_only: bool = False) -> dict[str, float]:
         with self.lock:
             counts, self.counts = self.counts, Counts()
+        notes = {f"reward/{self.name}/{k}": float(v) for k, v in sorted(counts.notes.items())}
+        if notes_only:
+            return notes
         return {f"reward/{self.name}/errors": float(counts.errors),
-                f"reward/{self.name}/timeouts": float(counts.timeouts)}
+                f"reward/{self.name}/timeouts": float(counts.timeouts), **notes}
+
+    def note(self, value: Any) -> None:
+        """Add the notes a value carries to this step's counts."""
+        found = notes_of(value)
+        if found:
+            with self.lock:
+                for k, v in found.items():
+                    self.counts.notes[k] = self.counts.notes.get(k, 0) + v
 
     def close(self) -> None:
         pass
@@ -108,7 +124,7 @@ class InlineScorer(Scorer):
 
     def submit(self, batch: Batch) -> Pending:
         if self.on_error != "zero":
-            scores = score_rollout(self.name, self.fn, batch)["scores"]
+            scores = score_rollout(self.name, self.fn, batch, seen=self.note)["scores"]
             return Pending(batch, [_done([float(v) for v in scores.tolist()])])
         prompts, responses = list(batch.meta["prompt"]), list(batch.meta["response"])
         rows = [dict(r) for r in batch.meta.get("row", [{}] * batch.size)]
@@ -118,7 +134,9 @@ class InlineScorer(Scorer):
 
     def _one(self, prompt: str, response: str, row: dict[str, Any]) -> float:
         try:
-            return self._finite(self.fn.fn(prompt, response, **extra_columns(self.fn.fn, row)))
+            value = self.fn.fn(prompt, response, **extra_columns(self.fn.fn, row))
+            self.note(value)
+            return self._finite(value)
         except Exception:  # on_error = "zero": this sample scores 0, counted
             with self.lock:
                 self.counts.errors += 1
@@ -136,6 +154,7 @@ class InlineScorer(Scorer):
             return [0.0] * len(prompts)
         out = []
         for v in values:
+            self.note(v)
             try:
                 out.append(self._finite(v))
             except (TypeError, ValueError):
@@ -265,6 +284,7 @@ class PoolScorer(Scorer):
         return fresh
 
     def _check(self, index: int, prompt: str, response: str, value: Any) -> float:
+        self.note(value)
         try:
             out = float(value)
         except (TypeError, ValueError):

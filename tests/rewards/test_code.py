@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import tempfile
+import warnings
 from pathlib import Path
 
 import pytest
@@ -50,10 +51,30 @@ def test_asserts_are_decided_here_as_python_would() -> None:
     assert run_tests(nones, tests) == [True, True, True, True, True, False, False, True, True]
 
 
-def test_the_expected_values_stay_here() -> None:
-    assert plan("assert add(2, 3) == 5").steps == (("probe", "add(2, 3)"),)  # what the runner is sent
-    assert plan("x = f()\nassert [1, 2] == x").steps == (("run", "x = f()"), ("probe", "x"))
-    assert plan({"input": "1 2", "output": "3"}) is not None and plan({"input": 1}) is None
+SPY = """
+import sys
+runner = sys.modules.get("flowrl_runner")
+SEEN = []
+_answer = runner.answer
+def answer(req, table):  # the runner's own request handler, wrapped: everything the solution's side is sent
+    SEEN.append(repr(req))
+    return _answer(req, table)
+runner.answer = answer
+def add(a, b):
+    return a + b
+def seen():
+    return "\\n".join(SEEN)
+"""
+
+
+def test_the_tests_and_expected_values_never_reach_the_solution() -> None:
+    """The solution's process is sent calls (the name, the arguments) and nothing else: not a test's source, not an
+    expected value (ints travel in hex: 5 is '5', 42 is '2a')."""
+    assert plan("assert add(2, 3) == 5") == "assert add(2, 3) == 5"  # code stays code: it runs on the tests' side
+    assert plan({"input": "1 2", "output": "3"}) is not None and plan({"input": 1}) is None and plan(3) is None
+    log = "log = seen()\nassert \"'add'\" in log and \"'5'\" not in log and \"'2a'\" not in log " \
+          "and 'assert' not in log and '==' not in log"
+    assert run_tests(SPY, ["assert add(2, 3) == 5", "assert add(40, 2) == 42", log]) == [True, True, True]
 
 
 def test_stdin_stdout_tests_compare_output_token_by_token() -> None:
@@ -142,10 +163,20 @@ def test_the_harness_files_and_processes_are_out_of_sight(tmp_path: Path) -> Non
              "            found += open(f'/proc/{pid}/cmdline').read()\n        except OSError:\n            pass\n"
              "print('s3cret-42' if 's3cret-42' in found else found)\n")
     assert run_tests(snoop, [{"input": "", "output": "s3cret-42"}]) == [False]
-    listing = "import os\nSEEN = sorted(os.listdir('/'))\nPIDS = [p for p in os.listdir('/proc') if p.isdigit()]\n"
-    root = "{'bin', 'sbin', 'lib', 'lib32', 'lib64', 'libx32', 'dev', 'proc', 'tmp', 'usr'}"
-    assert run_tests(listing, [f"assert set(SEEN) <= {root} and 'usr' in SEEN", "assert PIDS == ['1']"]) == \
-        [True, True]  # /usr and what the host serves from it; no /work, /root, /home, /etc
+    listing = "import os\ndef ls(path):\n    return sorted(os.listdir(path))\n" \
+              "PIDS = [p for p in os.listdir('/proc') if p.isdigit()]\n"
+    root = {"bin", "sbin", "lib", "lib32", "lib64", "libx32", "dev", "proc", "tmp", "usr"}
+    shown: dict[str, set[str]] = {"/": set()}  # the interpreter's folders, and each folder on the way to them
+    for mount in (sandbox.isolation().python or sandbox.interpreter()).mounts:
+        parts = Path(mount).parts
+        for depth in range(1, len(parts)):
+            shown.setdefault(str(Path(*parts[:depth])), set()).add(parts[depth])
+    assert run_tests(listing, [f"assert set(ls('/')) <= {root | shown['/']} and 'usr' in ls('/')",
+                               "assert PIDS == ['1']",
+                               *[f"assert ls({folder!r}) == {sorted(names)}" for folder, names in shown.items()
+                                 if folder != "/"]]) == [True] * (len(shown) + 1)
+    # /usr and what the host serves from it, and the interpreter's own folders: no /etc, /home, no other file of
+    # /root or /work (the data set and the flow), nothing beside the folders on the way to the interpreter
 
 
 @needs_strict
@@ -156,6 +187,35 @@ def test_a_fork_bomb_is_bounded_and_scores_zero() -> None:
                "    except OSError:\n        break\n    if pids[-1] == 0:\n        import time; time.sleep(30); os._exit(0)\n"
                "FORKED = len(pids)\n")
     assert run_tests(counted, ["assert FORKED < 20"], timeout=30.0) == [True]  # RLIMIT_NPROC stopped it early
+
+
+TRACER = """
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+def trace_me():  # PTRACE_TRACEME: allowed to any process the kernel does not filter
+    return libc.ptrace(0, 0, 0, 0), ctypes.get_errno()
+def read_memory():  # process_vm_readv, here of itself: the call that reads another process's memory
+    class IoVec(ctypes.Structure):
+        _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+    into, source = ctypes.create_string_buffer(8), ctypes.create_string_buffer(b"1234567")
+    mine, theirs = IoVec(ctypes.addressof(into), 8), IoVec(ctypes.addressof(source), 8)
+    return libc.process_vm_readv(os.getpid(), ctypes.byref(mine), 1, ctypes.byref(theirs), 1, 0), ctypes.get_errno()
+"""
+
+
+@pytest.mark.skipif(os.uname().machine not in ("x86_64", "aarch64"), reason="the filter is written for these")
+@pytest.mark.parametrize("isolated", [True, False])
+def test_ptrace_and_other_processes_memory_are_refused(isolated: bool, request: pytest.FixtureRequest) -> None:
+    """The seccomp filter (flowrl.rewards.syscalls), jailed or not: where no namespace hides the harness, it is
+    what keeps a solution from tracing it."""
+    if isolated and not STRICT:
+        pytest.skip(sandbox.isolation().describe())
+    if not isolated:
+        request.getfixturevalue("degraded")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", sandbox.SandboxWarning)  # said once, tested below
+        found = run_tests(TRACER, ["assert trace_me() == (-1, 1)", "assert read_memory() == (-1, 1)"])
+    assert found == [True, True]
 
 
 def test_huge_output_is_bounded() -> None:
@@ -206,8 +266,6 @@ def degraded(monkeypatch: pytest.MonkeyPatch) -> sandbox.Isolation:
 def test_without_isolation_it_warns_once_saying_what_is_missing(degraded: sandbox.Isolation) -> None:
     with pytest.warns(sandbox.SandboxWarning, match=r"WITHOUT isolation.*Missing: root \(running as uid 1000"):
         assert code_tests("", ADD, tests=TESTS) == 1.0
-    import warnings
-
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert code_tests("", FORGE, tests=TESTS) == 0.0  # no second warning; verdicts are still made here
@@ -222,6 +280,31 @@ def test_strict_refuses_without_isolation(degraded: sandbox.Isolation) -> None:
 def test_strict_is_available_here() -> None:
     sandbox.require_strict()
     assert sandbox.isolation().describe().startswith("strict: namespaces")
+
+
+def test_the_jailed_programs_fit_in_one_argument() -> None:
+    """They travel as `python -c PROGRAM`: one argument holds at most 128 KiB (MAX_ARG_STRLEN)."""
+    from flowrl.rewards.sessions import CHECKER, RUNNER
+
+    assert max(len(p.text(same).encode()) for p in (RUNNER, CHECKER) for same in (True, False)) < 128 * 1024
+
+
+@needs_strict
+@pytest.mark.skipif(not os.path.exists(sandbox.SYSTEM.executable), reason="no system Python")
+def test_the_systems_python_serves_where_this_ones_cannot_be_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fallback of a caller who cannot read this interpreter's folders: the modules travel as source."""
+    from flowrl.rewards.sessions import TestsSide
+
+    found = sandbox.isolation()
+    monkeypatch.setattr(sandbox, "_FOUND", [sandbox.Isolation(True, way=found.way, python=sandbox.SYSTEM)])
+    monkeypatch.setattr(TestsSide, "_shared", None)  # a tests' process of its own, on that Python, for this test
+    try:
+        assert run_tests(ADD + "import sys\nEXE = sys.executable\n",
+                         [*TESTS, f"assert EXE == {sandbox.SYSTEM.executable!r}", {"input": "", "output": ""}]) == \
+            [True] * 5
+    finally:
+        if TestsSide._shared is not None:
+            TestsSide._shared.close()
 
 
 NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
@@ -270,6 +353,8 @@ def test_an_unprivileged_caller_is_jailed_in_a_user_namespace_or_told_why_not() 
     if not out["describe"].startswith("strict"):
         assert "Missing: root (running as uid 65534); unprivileged user namespaces: " in out["describe"]
         return
-    assert out["describe"] == "strict: namespaces (mount, network, PID), a user namespace of its own, a root " \
-                              "holding /usr only"
+    assert out["describe"] in (  # its own Python where that user can read it, else the system's
+        "strict: namespaces (mount, network, PID, IPC), a user namespace of its own, a root holding /usr and "
+        "Python only", "strict: namespaces (mount, network, PID, IPC), a user namespace of its own, a root holding "
+        "/usr only (the system's Python: this one's folders could not be bound, so its packages are missing)")
     assert out == {**out, "snoop": [False], "seen": [True], "bomb": [False], "add": [True]}

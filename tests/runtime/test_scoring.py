@@ -69,6 +69,12 @@ def one_argument(response):
 @flowrl.reward("plain")
 def plain(prompt, response, **_):
     return float(len(response)) + 0.5 * prompt.count("1")
+
+
+@flowrl.reward("noted")
+def noted(prompt, response, **_):  # says why, as code_tests does: a failed test per sample, two for prompts of a 1
+    from flowrl.rewards.graded import Graded
+    return Graded(0.5, {"failed/assert": 1, **({"failed/timeout": 2} if "1" in prompt else {})})
 '''
 
 FLOW = """
@@ -204,3 +210,12 @@ def test_code_tests_without_isolation_warns_before_the_first_step(tmp_path: Path
     with pytest.warns(sandbox.SandboxWarning, match="WITHOUT isolation.*Missing: root") as caught:
         flowrl.run(graph, out_dir=tmp_path / "out", steps=1, on_step=lambda step, row: seen.append(len(caught)))
     assert seen == [1]  # the warning was there when step 1 ended: said at the start, once
+
+
+@pytest.mark.parametrize("block", ["", "{ workers = 2, timeout = 30 }", '{ on_error = "zero" }'])
+def test_the_notes_a_reward_returns_are_summed_into_the_steps_metrics(tmp_path: Path, block: str) -> None:
+    """`reward/NAME/KEY` per step, inline (failing on error or not) or from workers: step 1 holds 0+0, 0+1, 0+2,
+    1+0 (four samples each), step 2 1+1, 1+2, 2+0, 2+1."""
+    rows = flowrl.run(flowrl.load(str(_flow(tmp_path, "noted", block))), out_dir=tmp_path / "out", steps=2).metrics
+    assert [r["reward/r/failed/assert"] for r in rows] == [16, 16]
+    assert [r["reward/r/failed/timeout"] for r in rows] == [2 * 8, 2 * 12]
