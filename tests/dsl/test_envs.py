@@ -307,6 +307,21 @@ def test_an_env_needs_the_torch_engine(compile_error: Error) -> None:
     """) in rendered
 
 
+def test_an_env_needs_the_torch_engine_on_the_model_that_generates(compile_error: Error) -> None:
+    """The generating model's own engine counts, not its source's: `actor` copies `base` (torch) but runs vLLM,
+    whose worker would run the turns on the torch engine without a word."""
+    text = MODELS.replace("model actor :", "model base :").replace("source = actor", "source = base") \
+        .replace("model ref :", 'model actor : policy { source = base, engine = "vllm" }\nmodel ref :') + ENV + \
+        "use grpo(max_tokens = 4, env = count)\n"
+    rendered = compile_error(text)
+    assert expect("""
+        t.flow:5:5: error: `count` needs the torch engine, but model `actor` uses engine = "vllm"
+            env count = "dsl_envs.Countdown" { max_turns = 3, stop = ["=", "+"], workers = 0, timeout = 5 }
+                ^^^^^
+        hint: multi-turn generation runs on the torch engine only, for now: drop `engine` from the model
+    """) in rendered
+
+
 def test_a_declared_reward_left_out_of_an_env_flow_is_a_warning(compile_ok: Compile) -> None:
     g = compile_ok(MODELS + ENV + 'reward correct = "flowrl.rewards.arith_exact"\n'
                    "use grpo(max_tokens = 4, env = count)\n")
