@@ -90,7 +90,7 @@ class Prewarmer:
 
     def _launch(self, n: int) -> None:
         """Start up to `n` more instances (no more than the run has free slots for); under the lock."""
-        n = self.slots.room(n) if self.slots is not None else n
+        n = self.slots.room(self.key[1], n) if self.slots is not None else n
         if n <= 0 or self.mailbox is None:
             return
         wanted = dict(self.wanted())
