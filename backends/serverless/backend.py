@@ -116,7 +116,7 @@ class ServerlessBackend:
             self.groups[wg.name] = ServerlessGroup(wg.name, wg.pool, build, max(1, size), run,
                                                    crash_on_call=self.crash_on_call.get(wg.name),
                                                    policy=policy, mailbox=mailbox, slots=slots, floor=floor,
-                                                   acquire=acquire, devices=mine)
+                                                   acquire=acquire, devices=mine, track=self.clock.track)
         for g in self.groups.values():
             g.start()
         return dict(self.groups)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import ray
@@ -102,7 +102,8 @@ class ServerlessGroup:
     def __init__(self, name: str, pool: str | None, build: Build, world: int, run_id: str, *, cpus: float = 1.0,
                  crash_on_call: tuple[str, int, str] | None = None, policy: Policy | None = None,
                  mailbox: Any = None, slots: Slots | None = None, floor: int = 0,
-                 acquire: Acquire | None = None, devices: Devices | None = None):
+                 acquire: Acquire | None = None, devices: Devices | None = None,
+                 track: Callable[[str, Any], None] | None = None):
         self.name, self.pool, self.build, self.world = name, pool, build, world
         self.models = tuple(m.name for m in build.models)
         self.key = (run_id, name)
@@ -122,8 +123,9 @@ class ServerlessGroup:
         # the run's device slots (shared by its pools): nothing waits holding a slot what it waits for needs
         self.slots = slots
         self.acquire = acquire  # how long a call may wait for its first instance on a joined cluster
+        self.track = track  # told each instance task's name and a result of it (held.TaskClock reads it by id)
         self.prewarm = Prewarmer(self.key, build, mailbox, policy.margin_s, policy.prewarm, self.boxes,
-                                 self.wanted, self.options, slots, min(floor, world))
+                                 self.wanted, self.options, slots, min(floor, world), track)
         if slots is not None:
             slots.register(name, (self.devices.resource, self.devices.gpus or 1.0), self.prewarm.yield_idle,
                            self.prewarm.keep_floor)
@@ -216,6 +218,8 @@ class ServerlessGroup:
         ledger = (self.mailbox, token) if self.mailbox is not None else None
         refs = remote_serve.options(**self.options, num_returns=4, name=token).remote(
             self.key, self.build, dict(wanted), how, args, dict(kw), new, lost, ledger)
+        if self.track is not None:
+            self.track(token, refs[0])
         if self.slots is not None:
             self.slots.taken(self.name, refs[1])
         return list(refs), token

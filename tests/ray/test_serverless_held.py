@@ -70,8 +70,9 @@ def _timed(seconds: float) -> float:
 
 @pytest.mark.ray
 def test_the_clock_reads_only_the_named_tasks_of_this_run(ray_session: Any) -> None:
-    """One GCS request a name, this job's only: the run's tasks are read (each held at least what its own clock
-    saw), another prefix's are not, and a name whose events never come is said missing once the wait is over."""
+    """One GCS request a task, by its id where the pool tracked it, else by its name in this job: the run's tasks
+    are read (each held at least what its own clock saw), another prefix's are not, and a name whose events never
+    come is said missing once the wait is over."""
     from flowrl.backends.serverless.held import TaskClock
 
     ray = ray_session
@@ -81,6 +82,7 @@ def test_the_clock_reads_only_the_named_tasks_of_this_run(ray_session: Any) -> N
     own = dict(zip(mine, ray.get(list(mine.values())), strict=True))
     ray.get(other)
     clock = TaskClock("heldrun/", wait_s=0.5)
+    clock.track("heldrun/g/task-0", mine["heldrun/g/task-0"])  # by its id; task-1 by its name
     held, missing = clock.held([*mine, "heldrun/g/never"])
     assert missing == ["heldrun/g/never"] and set(held) == set(mine)
     assert all(len(held[n]) == 1 and held[n][0] >= own[n] for n in mine)  # the lease covers the task's own run
