@@ -6,8 +6,8 @@ the Ray custom resource `device_slot` (backends/serverless/devices.py): a local 
 slot per CPU (or `slots`), a cluster declares them per node (`ray start --resources '{"device_slot": 8}'`), so the
 autoscaler adds nodes when tasks wait for devices and removes idle ones. A pool's upper size is its `placement`
 pool's `gpus` (the top of a range), else the devices the cluster has; without `placement`, a group's calls count
-in one elastic pool per stage kind (generation, inference, training) in the cost report. Weight sync between groups hands over a version
-in the object store (no copy); an asynchronous run's snapshots are those versions too. `usage()` gives the
+in one elastic pool per stage kind (generation, inference, training) in the cost report. Weight sync between
+groups hands over a version in the object store (no copy); an asynchronous run's snapshots are those versions too. `usage()` gives the
 instance tasks that ran since it was last called, for the cost report (flowrl.runtime.cost), each held for as
 long as Ray had its device reserved (its task events: backends/serverless/held.py); what runs after the
 last step (the final checkpoint, instances released at shutdown) is the `usage()` after `shutdown`, and
@@ -96,9 +96,8 @@ class ServerlessBackend:
         slots = self.shared_slots = Slots()  # the cluster's devices as they are at each decision: waiting
         # instances never hold what their peers need
         acquire = None
-        r = graph.run
         if joined:  # a cluster may lack what a pool needs: fail within `acquire_timeout`, naming the pool
-            acquire = Acquire(float(str(r.get("acquire_timeout", 60.0))), self.clock, pools)
+            acquire = Acquire(float(str(graph.run.get("acquire_timeout", 60.0))), self.clock, pools)
             acquire.lower_bounds({wg.pool: devices[wg.name].asks() for wg in graph.worker_groups
                                   if wg.pool is not None})  # what one instance of each pool takes
         for wg in graph.worker_groups:
