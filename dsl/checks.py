@@ -320,9 +320,12 @@ def check_env_generation(rep: Reporter, flow: Flow, node: Node, info: EnvInfo) -
     root = _root(flow, str(node.model))
     if root is None:
         return
-    if root.engine != "torch":
-        rep.error(src, f"`{info.name}` needs the torch engine, but model `{root.name}` uses engine = "
-                       f"\"{root.engine}\"", where,
+    # the model that generates runs the decode loop, whatever its source's engine (a worker would otherwise run
+    # it on the torch engine without a word)
+    own = next((m for m in flow.models if m.name == node.model), root)
+    if own.engine != "torch":
+        rep.error(src, f"`{info.name}` needs the torch engine, but model `{own.name}` uses engine = "
+                       f"\"{own.engine}\"", where,
                   hint="multi-turn generation runs on the torch engine only, for now: drop `engine` from the model")
         return
     _check_env_charset(rep, flow, root, info)

@@ -13,7 +13,8 @@ from flowrl.ir.graph import Graph
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Tests marked `autoscaling` stop every Ray on the machine: when collected with the others, they run last."""
+    """Tests marked `autoscaling` shut this process's Ray down and start an autoscaling cluster whose nodes are
+    processes of this machine: when collected with the others, they run last."""
     items.sort(key=lambda item: item.get_closest_marker("autoscaling") is not None)
 
 

@@ -41,8 +41,7 @@ class RankActor:
         self.calls = 0
         self.by_method: dict[str, int] = {}
         self._items: queue.Queue[tuple[str, Any]] = queue.Queue()
-        self._export: bool = False  # the export request the last stream_next brought
-        self._remaining: int | None = None  # the stream's last progress report
+        self._pulled = _PulledControl()  # the open stream's progress and export request
         self.worker = ModelWorker(models, all_models, seed=seed, device=device, rank=rank, world=world)
 
     def ready(self) -> int:
@@ -91,9 +90,9 @@ class RankActor:
     def stream_open(self, method: str, args: Sequence[Any], kwargs: dict[str, Any], controlled: bool) -> None:
         """Start `method` (generate_stream / resume_stream) on a thread of this actor; with `controlled`, its
         StreamControl reports the rank's unfinished rows and reads the export request of the last pull."""
-        self._export, self._remaining = False, None
+        self._pulled = _PulledControl()
         if controlled:
-            kwargs = {**kwargs, "control": _PulledControl(self)}
+            kwargs = {**kwargs, "control": self._pulled}
         items: queue.Queue[tuple[str, Any]] = queue.Queue()
         crash = self._crash_due(method)  # the test hook: exit once the stream has handed over its first item
 
@@ -115,14 +114,14 @@ class RankActor:
     def stream_next(self, export: bool) -> tuple[str, Any, int | None]:
         """The stream's next item ("item", x, rows left), its end ("end", None, rows left), or, when none came
         within TICK_S, ("tick", None, rows left): the scheduler sees progress and can ask for an export then."""
-        self._export = export
+        self._pulled.export = export
         try:
             kind, item = self._items.get(timeout=TICK_S)
         except queue.Empty:
-            return "tick", None, self._remaining
+            return "tick", None, self._pulled.remaining
         if kind == "error":
             raise item
-        return kind, item, self._remaining
+        return kind, item, self._pulled.remaining
 
     def stats(self) -> dict[str, Any]:
         """What this rank has done (tests use it to see which ranks a dispatch mode ran)."""
@@ -131,14 +130,16 @@ class RankActor:
 
 
 class _PulledControl:
-    """A StreamControl inside the actor: progress is kept for the next `stream_next` reply, and the export
-    request is the flag the last `stream_next` call brought (so it is seen at the next decode step after it)."""
+    """A StreamControl inside the actor, holding what the actor and its stream share: progress, kept for the
+    next `stream_next` reply, and the export request, the flag the last `stream_next` call brought (so it is seen
+    at the next decode step after it)."""
 
-    def __init__(self, actor: RankActor):
-        self.actor = actor
+    def __init__(self) -> None:
+        self.export = False  # the export request the last stream_next brought
+        self.remaining: int | None = None  # the stream's last progress report
 
     def progress(self, remaining: int) -> None:
-        self.actor._remaining = remaining
+        self.remaining = remaining
 
     def should_export(self) -> bool:
-        return bool(self.actor._export)
+        return self.export

@@ -1,16 +1,17 @@
 """The serverless backend (`flowrl run FLOW --backend serverless`): every worker group is an elastic pool of
 instances that hold a device slot only while they run a call (RLHFless; backends/serverless/instance.py).
 
-A "device" is the Ray custom resource `device_slot`: a local Ray instance started here gets one per CPU (or
-`slots`), a cluster declares them per node (`ray start --resources '{"device_slot": 8}'`), so the autoscaler
-adds nodes when tasks wait for slots and removes idle ones. A pool's upper size is its `placement` pool's
-`gpus` (the top of a range), else the cluster's slot count; without `placement`, a group's calls count in one
-elastic pool per stage kind (generation, inference, training) in the cost report. Weight sync between groups hands over a version
-in the object store (no copy); an asynchronous run's snapshots are those versions too. `usage()` gives the
+A device is a GPU (or a pool's `gpu_fraction` of one) where the flow asks for GPUs or the cluster has them, else
+the Ray custom resource `device_slot` (backends/serverless/devices.py): a local Ray instance started here gets one
+slot per CPU (or `slots`), a cluster declares them per node (`ray start --resources '{"device_slot": 8}'`), so the
+autoscaler adds nodes when tasks wait for devices and removes idle ones. A pool's upper size is its `placement`
+pool's `gpus` (the top of a range), else the devices the cluster has; without `placement`, a group's calls count
+in one elastic pool per stage kind (generation, inference, training) in the cost report. Weight sync between
+groups hands over a version in the object store (no copy); an asynchronous run's snapshots are those versions too. `usage()` gives the
 instance tasks that ran since it was last called, for the cost report (flowrl.runtime.cost), each held for as
-long as Ray had its device slot reserved (its task events: backends/serverless/held.py); what runs after the
+long as Ray had its device reserved (its task events: backends/serverless/held.py); what runs after the
 last step (the final checkpoint, instances released at shutdown) is the `usage()` after `shutdown`, and
-`held_total_s` the whole run's held device-seconds as the cluster counted them.
+`held_total_s` the whole run's held device-seconds, of which `measured_frac` as the cluster counted them.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from typing import Any
 import ray
 
 from flowrl.backends.ray.cluster import Session
-from flowrl.backends.serverless.devices import devices_for
+from flowrl.backends.serverless.devices import group_devices
 from flowrl.backends.serverless.group import ServerlessGroup
 from flowrl.backends.serverless.held import TaskClock
 from flowrl.backends.serverless.instance import SLOT, Build, remote_mailbox
@@ -65,29 +66,62 @@ class ServerlessBackend:
         self.clock: TaskClock | None = None  # this run's instance tasks as Ray's task events tell them
         self.unmeasured = 0  # tasks whose events never came (charged by their own timers)
         self.tail: list[Usage] = []  # what shutdown found after the last step's usage
-        self.held_total_s = 0.0  # the whole run's device-seconds as the cluster counted them (set at shutdown)
+        # the whole run's held device-seconds, each task's as the cluster counted it where its events came (that
+        # part: held_measured_s), else as its own timers did; summed as usage is read, complete after shutdown
+        self.held_total_s = 0.0
+        self.held_measured_s = 0.0
         self.shared_slots: Slots | None = None  # the run's device slots, shared by its pools
 
     def start(self, graph: Graph, *, seed: int, device: str) -> dict[str, WorkerGroup]:
         self.session.open()
         cluster = ray.cluster_resources()
-        total = devices_for(cluster).capacity(cluster)  # whole devices: GPUs where it has them, else slots
         pools = {p.name: p for p in graph.pools}
-        # A cluster flowrl joined (an address) may grow: demand for slots is what makes its autoscaler add
-        # nodes, so a declared pool is sized by its upper `gpus`, not by the slots there now (none, on a
+        # A cluster flowrl joined (an address) may grow: demand for devices is what makes its autoscaler add
+        # nodes, so a declared pool is sized by its upper `gpus`, not by the devices there now (none, on a
         # cluster scaled to zero). A local instance flowrl started has what it has.
         joined = self.session.address is not None
-        if total < 1 and not (joined and all(pools.get(wg.pool or "") is not None for wg in graph.worker_groups)):
+        devices = group_devices(graph, cluster, device, joined)
+        if not all(devices[wg.name].capacity(cluster) >= 1 or (joined and wg.pool in pools)
+                   for wg in graph.worker_groups):
             raise FlowError(Diagnostic(
                 f"the Ray cluster has no GPU and no `{SLOT}` resource: serverless instances take one each",
                 hint=f"start its nodes with --resources '{{\"{SLOT}\": N}}' (N devices a node), give every "
-                     "worker group a placement pool with `gpus` (an autoscaling cluster then adds nodes with "
-                     "slots on demand), or let flowrl start a local Ray instance"))
+                     "worker group a placement pool with `gpus` (an autoscaling cluster then adds nodes on "
+                     "demand), or let flowrl start a local Ray instance"))
         run = uuid.uuid4().hex[:8]
         self.clock = TaskClock(f"{run}/")  # instance tasks are named by their ledger token, `RUN/GROUP/...`
         keep_warm = bool(graph.run.get("keep_warm", True))
         mailbox = self.mailbox = remote_mailbox.remote()
-        r = graph.run
+        policy = self._policy(graph.run)
+        slots = self.shared_slots = Slots()  # the cluster's devices as they are at each decision: waiting
+        # instances never hold what their peers need
+        acquire = None
+        if joined:  # a cluster may lack what a pool needs: fail within `acquire_timeout`, naming the pool
+            acquire = Acquire(float(str(graph.run.get("acquire_timeout", 60.0))), self.clock, pools)
+            acquire.lower_bounds({wg.pool: devices[wg.name].asks() for wg in graph.worker_groups
+                                  if wg.pool is not None})  # what one instance of each pool takes
+        for wg in graph.worker_groups:
+            decl = pools.get(wg.pool or "")
+            mine = devices[wg.name]
+            upper = (decl.gpus.hi if isinstance(decl.gpus, Range) else int(decl.gpus)) if decl is not None \
+                else mine.capacity(cluster)
+            size = upper if joined and decl is not None else min(upper, mine.capacity(cluster))
+            on_device = decl is not None and decl.options.get("keep_warm") == "device"
+            floor = decl.gpus.lo if decl is not None and isinstance(decl.gpus, Range) else 0
+            trains = tuple(sorted({str(n.model) for n in graph.nodes if n.op == "update"
+                                   and n.worker_group == wg.name}))
+            build = Build(tuple(graph.model(m) for m in wg.models), graph.models, seed, device, keep_warm, trains,
+                          on_device)
+            self.groups[wg.name] = ServerlessGroup(wg.name, wg.pool, build, max(1, size), run,
+                                                   crash_on_call=self.crash_on_call.get(wg.name),
+                                                   policy=policy, mailbox=mailbox, slots=slots, floor=floor,
+                                                   acquire=acquire, devices=mine, track=self.clock.track)
+        for g in self.groups.values():
+            g.start()
+        return dict(self.groups)
+
+    def _policy(self, r: Mapping[str, Any]) -> Policy:
+        """The pools' elastic policy from `run { ... }`, less the mechanisms this backend was asked to ablate."""
         policy = Policy(cost_weight=float(str(r.get("cost_weight", 0.5))), prewarm=bool(r.get("prewarm", True)),
                         margin_s=float(str(r.get("prewarm_margin", 0.05))), tau=float(str(r.get("migrate_at", 0.7))),
                         predict="predict" not in self.ablate, assign="assign" not in self.ablate,
@@ -103,31 +137,7 @@ class ServerlessBackend:
             policy = replace(policy, late=0.0)
         if "env_release" in self.ablate:  # multi-turn instances hold their devices through environment waits
             policy = replace(policy, env_release=False)
-        slots = self.shared_slots = Slots(total)  # the cluster's slots now: waiting instances never hold what
-        # their peers need
-        acquire = None
-        if joined:  # a cluster may lack what a pool needs: fail within `acquire_timeout`, naming the pool
-            acquire = Acquire(float(str(r.get("acquire_timeout", 60.0))), self.clock, pools)
-            acquire.lower_bounds(devices_for(cluster).asks())  # what one instance takes
-        for wg in graph.worker_groups:
-            decl = pools.get(wg.pool or "")
-            upper = (decl.gpus.hi if isinstance(decl.gpus, Range) else int(decl.gpus)) if decl is not None else total
-            devices = devices_for(cluster, float(str(decl.options["gpu_fraction"]))
-                                  if decl is not None and "gpu_fraction" in decl.options else None)
-            size = upper if joined and decl is not None else min(upper, devices.capacity(cluster))
-            on_device = decl is not None and decl.options.get("keep_warm") == "device"
-            floor = decl.gpus.lo if decl is not None and isinstance(decl.gpus, Range) else 0
-            trains = tuple(sorted({str(n.model) for n in graph.nodes if n.op == "update"
-                                   and n.worker_group == wg.name}))
-            build = Build(tuple(graph.model(m) for m in wg.models), graph.models, seed, device, keep_warm, trains,
-                          on_device)
-            self.groups[wg.name] = ServerlessGroup(wg.name, wg.pool, build, max(1, size), run,
-                                                   crash_on_call=self.crash_on_call.get(wg.name),
-                                                   policy=policy, mailbox=mailbox, slots=slots, floor=floor,
-                                                   acquire=acquire, devices=devices)
-        for g in self.groups.values():
-            g.start()
-        return dict(self.groups)
+        return policy
 
     def begin_step(self, step: int) -> None:
         """Each pool pre-warms, from its step history, the instances its first call of this step will want."""
@@ -168,9 +178,9 @@ class ServerlessBackend:
         """`used` and the lost attempts, each charged what the cluster counted from Ray's task events: a lost
         attempt its attempt's reservation (`lost_s`), a returned task the part of its last attempt's beyond its
         own timers (`outside_s`); a task whose events did not come keeps its timers' figures."""
-        gone = [u for us in lost.values() for u in us]
+        gone = [replace(u, measured=False) for us in lost.values() for u in us]
         if self.clock is None or not finished:
-            return used + gone
+            return [replace(u, measured=False) for u in used] + gone
         held, missing = self.clock.held(list(finished))
         self.unmeasured += len(missing)
         token = {id(u): t for t, u in finished.items()}
@@ -178,16 +188,24 @@ class ServerlessBackend:
         for u in used:
             t = token.get(id(u))
             if t is None or t not in held:
-                out.append(u)
+                out.append(replace(u, measured=False))
                 continue
-            out.append(replace(u, outside_s=held[t][-1] - u.held_s))
+            out.append(replace(u, outside_s=held[t][-1] - u.held_s, measured=True))
         for t, us in lost.items():  # the attempts before the last, in order
             counted = held.get(t, [])[:-1]
             if len(counted) == len(us):
-                out += [replace(u, lost_s=s) for u, s in zip(us, counted, strict=True)]
+                out += [replace(u, lost_s=s, measured=True) for u, s in zip(us, counted, strict=True)]
             else:  # attempts Ray's events and the ledger count differently: each ledger attempt as timed
-                out += us
+                out += [replace(u, measured=False) for u in us]
+        self.held_total_s += sum(u.held_s for u in out)
+        self.held_measured_s += sum(u.held_s for u in out if u.measured)
         return out
+
+    @property
+    def measured_frac(self) -> float:
+        """The share of `held_total_s` that Ray's task events measured (the rest: tasks' own timers); 1.0 for a
+        run that held nothing."""
+        return self.held_measured_s / self.held_total_s if self.held_total_s > 0 else 1.0
 
     def metrics(self) -> dict[str, float]:
         """Each pool's scaling decisions since the last call (`scale/GROUP/...`), and `cost/unmeasured_tasks`:
@@ -200,7 +218,7 @@ class ServerlessBackend:
 
     def shutdown(self) -> None:
         """Release the waiting instances; once every task has returned, keep what ran after the last step's
-        usage (`usage()` gives it) and the whole run's held device-seconds as the cluster counted them. Then
+        usage (`usage()` gives it), which completes `held_total_s`. Then
         leave nothing of the run on the cluster: the Mailbox actor ends and every object reference the pools
         held is dropped, so on a cluster the driver stays connected to (a notebook, a script that goes on) no
         node keeps an actor or a pinned object of the run, and an autoscaler can remove the nodes it added."""
@@ -211,8 +229,6 @@ class ServerlessBackend:
                 for g in self.groups.values():
                     g.drain()
                 self.tail = self.usage()
-                names = {a.name for a in self.clock.attempts()}
-                self.held_total_s = sum(sum(each) for each in self.clock.held(names)[0].values())
         finally:
             for g in self.groups.values():
                 g.forget()

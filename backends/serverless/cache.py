@@ -85,7 +85,7 @@ def _moved(t: torch.Tensor, device: torch.device, pin: bool) -> torch.Tensor:
     return t.to(device, non_blocking=True)
 
 
-def movable(worker: ModelWorker) -> str:
+def why_not_movable(worker: ModelWorker) -> str:
     """Why `worker`'s models cannot move between host and device ("" when they can): vLLM and DeepSpeed
     engines place their own memory."""
     if worker.generators:
@@ -116,7 +116,7 @@ def move_models(worker: ModelWorker, device: str | torch.device) -> float:
             weights_changed(module)
             cache_of(module)
     for trainer in worker.trainers.values():
-        assert isinstance(trainer, TrainEngine)  # movable() said so
+        assert isinstance(trainer, TrainEngine)  # why_not_movable() said so
         for state in trainer.optimizer.state.values():
             for k, v in state.items():
                 if isinstance(v, torch.Tensor) and k != "step":  # AdamW keeps its step count on the host

@@ -22,7 +22,7 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 import torch
@@ -39,8 +39,12 @@ from flowrl.runtime.env_rollout import env_spec_of, rollout_batch
 from flowrl.runtime.protocol import Usage
 from flowrl.runtime.worker import ModelWorker, prompt_slots, prompt_texts
 
+if TYPE_CHECKING:  # the group holds an EnvRelease (and imports this module)
+    from flowrl.backends.serverless.group import ServerlessGroup
+
 GENERATE = "env_generate_parking"  # instance-side task names (instance.TASKS)
 RESUME = "env_resume_parked"
+CLOSE_S = 60.0  # how long a host may take to close its environments' processes before it is killed anyway
 
 
 @dataclass
@@ -121,9 +125,10 @@ def resume_parked(worker: ModelWorker, model: str, prompts: Batch, attrs: Mappin
 
 
 class EnvRelease:
-    """A serverless pool's released multi-turn generations: its env hosts and latency history (driver side)."""
+    """A serverless pool's released multi-turn generations: its env hosts and latency history (driver side).
+    Each round's instance is started and collected through the group's public methods, as its plain calls are."""
 
-    def __init__(self, group: Any):
+    def __init__(self, group: ServerlessGroup):
         self.group = group
         self.hosts: dict[str, tuple[Any, Any]] = {}  # env name -> (its spec, its EnvHost actor)
         self.history: list[float] = []  # the latest environment call latencies (the predictor's)
@@ -136,7 +141,7 @@ class EnvRelease:
         if held is not None and held[0] == spec:
             return held[1]
         if held is not None:  # the flow's env changed (a new spec): its pool goes
-            held[1].close.remote()
+            _stop([held[1]])
         host = remote_env_host.remote(spec)
         self.hosts[spec.name] = (spec, host)
         return host
@@ -152,19 +157,16 @@ class EnvRelease:
         how, extra = GENERATE, dict[str, Any]()
         while True:
             sent = time.perf_counter()
-            if group.slots is not None:  # idle pre-warmed instances of other pools make way
-                group.slots.make_room(group.name, max(0, 1 - group.prewarm.waiting()))
-            first, warm = group.prewarm.arrived(1, "generate")  # a pre-warmed (or kept-warm floor) instance
+            group.room(1)  # idle pre-warmed instances of other pools make way
+            first, warm = group.take_warm(1, "generate")  # a pre-warmed (or kept-warm floor) instance
             boxes = [w.box for w in warm]
             try:
-                refs, token = group._submit(warm, group._wanted(), how, (model, prompts, dict(attrs)),
-                                            {**kw, **extra, "history": list(self.history[-512:])})
-                (part,), used = group._collect("generate", [refs], [token], first)
+                refs, token = group.submit(warm, how, (model, prompts, dict(attrs)),
+                                           {**kw, **extra, "history": list(self.history[-512:])})
+                (part,), used = group.collect("generate", [refs], [token], first)
             finally:
-                for box in boxes:
-                    group.mailbox.close.remote(box)
-                if group.slots is not None:  # the lower bounds let go for this round are kept warm again
-                    group.slots.refill()
+                group.close_boxes(boxes)
+                group.refill()  # the lower bounds let go for this round are kept warm again
             self._learn(time.perf_counter() - sent, used)
             parts.append(part)
             self.history += part.seconds
@@ -191,7 +193,7 @@ class EnvRelease:
         wall = sum(p.wall_s for p in parts)
         for key, total in (("gen_idle_s", idle), ("gen_wall_s", wall)):
             out.tensors[key] = out[key] + (total - float(out[key].sum())) / max(out.size, 1)
-        group.ledger.note({"env/parks": float(parks), "env/resumed_rows": float(resumed), "env/rounds": float(len(parts))})
+        group.note({"env/parks": float(parks), "env/resumed_rows": float(resumed), "env/rounds": float(len(parts))})
         return out
 
     def _learn(self, round_s: float, used: Sequence[Usage]) -> None:
@@ -203,7 +205,19 @@ class EnvRelease:
             self.overhead_s = seen if self.overhead_s is None else (self.overhead_s + seen) / 2
 
     def close(self) -> None:
-        for _, host in self.hosts.values():
-            host.close.remote()
-        self.hosts = {}
+        """The run's env hosts end: each closes its environments' processes, then its actor is killed, so no
+        actor of the run stays on the cluster (an autoscaler removes only nodes that hold none)."""
+        hosts, self.hosts = [host for _, host in self.hosts.values()], {}
+        _stop(hosts)
+
+
+def _stop(hosts: Sequence[Any]) -> None:
+    """Close `hosts` (their environments' worker processes end with them; at most CLOSE_S for all of them: a
+    host that hangs or died is killed all the same), then kill their actors."""
+    if not hosts:
+        return
+    closing = [h.close.remote() for h in hosts]
+    ray.wait(closing, num_returns=len(closing), timeout=CLOSE_S)
+    for h in hosts:
+        ray.kill(h, no_restart=True)
 

@@ -6,11 +6,14 @@ Split calls (generation, forwards) spread over up to `world` instances, the pool
 on one instance (data-parallel training needs a process group, which tasks do not form; said in `notes`).
 Around the calls, one module a concern: how many instances generate and which prompts each gets
 (backends/serverless/scaling.py), cut-and-migrate between generation instances (migrate.py), the deduplicated
-prefill's planning (prefill.py), a fused gen-infer stage streamed between pools (stream_stage here, the
-instances' side in stream.py), pre-warming from the step history (prewarm.py), and the ledger of finished tasks
-the cost report reads (ledger.py). The group's weights are versions in the object store: an update's new state
-becomes the current version; `after_update` / `load_snapshot` hand a version to the other groups holding the
-model (a reference, no copy: an instance loads it when it next needs it).
+prefill's planning (prefill.py), a fused gen-infer stage streamed between pools (streamed.py, the instances'
+side in stream.py), multi-turn generations that give their devices back while tools run (env_release.py),
+pre-warming from the step history (prewarm.py), the devices the run's pools hold (slots.py), and the ledger of
+finished tasks the cost report reads (ledger.py). Those collaborators start and collect instances through the
+group's public methods (`room`, `take_warm`, `submit`, `collect`, `close_boxes`, `refill`). The group's weights
+are versions in the object store: an update's new state becomes the current version; `after_update` /
+`load_snapshot` hand a version to the other groups holding the model (a reference, no copy: an instance loads it
+when it next needs it).
 """
 
 from __future__ import annotations
@@ -18,19 +21,18 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from collections.abc import Mapping, Sequence
-from dataclasses import replace
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import ray
 
-from flowrl.backends.serverless import migrate, prefill, stream
+from flowrl.backends.serverless import migrate, prefill, streamed
 from flowrl.backends.serverless.devices import Devices
 from flowrl.backends.serverless.env_release import EnvRelease
 from flowrl.backends.serverless.instance import Build, remote_serve
 from flowrl.backends.serverless.ledger import Ledger, usage_of
 from flowrl.backends.serverless.prewarm import Prewarmer, Warm
-from flowrl.backends.serverless.scaling import Policy, Scaler, in_order
+from flowrl.backends.serverless.scaling import Policy, Scaler
 from flowrl.backends.serverless.slots import Acquire, Slots
 from flowrl.elastic.late import late_start, update_slack
 from flowrl.elastic.prefill import PrefillRates
@@ -38,7 +40,7 @@ from flowrl.elastic.scale import ScaleChoice
 from flowrl.ir.graph import Node
 from flowrl.runtime import dispatch
 from flowrl.runtime.batch import Batch
-from flowrl.runtime.chunks import ChunkForward, assemble, concat
+from flowrl.runtime.chunks import concat
 from flowrl.runtime.env_rollout import env_spec_of
 from flowrl.runtime.protocol import Future, StreamedStage, Usage, WorkerGroup
 from flowrl.runtime.transport import pack
@@ -66,8 +68,7 @@ class ServerlessFuture:
             return self.group.finish(self.plan, self.refs, self.order, self.choice, self.sent, self.first,
                                      self.migrating, self.tokens)
         finally:
-            for box in self.boxes:
-                self.group.mailbox.close.remote(box)
+            self.group.close_boxes(self.boxes)
 
 
 class _Released:
@@ -92,19 +93,6 @@ class _Released:
         return self.out[0]
 
 
-def _chunk_forward(node: Node) -> ChunkForward:
-    return ChunkForward(node.id, str(node.op), str(node.model), dict(node.attrs))
-
-
-def _gather(outs: dict[str, list[tuple[Batch, Any]]], spans: dict[str, tuple[float, float]],
-            more: Mapping[str, list[tuple[Batch, Any]]], more_spans: Mapping[str, tuple[float, float]]) -> None:
-    for node, got in more.items():
-        outs.setdefault(node, []).extend(got)
-    for node, (a, b) in more_spans.items():
-        old = spans.get(node)
-        spans[node] = (a, b) if old is None else (min(old[0], a), max(old[1], b))
-
-
 class ServerlessGroup:
     inline = False
     per_rank = False
@@ -114,7 +102,8 @@ class ServerlessGroup:
     def __init__(self, name: str, pool: str | None, build: Build, world: int, run_id: str, *, cpus: float = 1.0,
                  crash_on_call: tuple[str, int, str] | None = None, policy: Policy | None = None,
                  mailbox: Any = None, slots: Slots | None = None, floor: int = 0,
-                 acquire: Acquire | None = None, devices: Devices | None = None):
+                 acquire: Acquire | None = None, devices: Devices | None = None,
+                 track: Callable[[str, Any], None] | None = None):
         self.name, self.pool, self.build, self.world = name, pool, build, world
         self.models = tuple(m.name for m in build.models)
         self.key = (run_id, name)
@@ -134,10 +123,12 @@ class ServerlessGroup:
         # the run's device slots (shared by its pools): nothing waits holding a slot what it waits for needs
         self.slots = slots
         self.acquire = acquire  # how long a call may wait for its first instance on a joined cluster
+        self.track = track  # told each instance task's name and a result of it (held.TaskClock reads it by id)
         self.prewarm = Prewarmer(self.key, build, mailbox, policy.margin_s, policy.prewarm, self.boxes,
-                                 self._wanted, self.options, slots, min(floor, world))
+                                 self.wanted, self.options, slots, min(floor, world), track)
         if slots is not None:
-            slots.register(name, self.prewarm.yield_idle, self.prewarm.keep_floor)
+            slots.register(name, (self.devices.resource, self.devices.gpus or 1.0), self.prewarm.yield_idle,
+                           self.prewarm.keep_floor)
         self.encoders: dict[str, PromptEncoder] = {}  # generating models' prompt tokenization (prefill planning)
         self.prefill = PrefillRates()  # the deduplicated prefill's measured rates (flowrl.elastic.prefill)
         self.slack_s: float | None = None  # a streamed stage's: how long its forward instances could start late
@@ -152,7 +143,8 @@ class ServerlessGroup:
             self.encoders = {m.name: encoders[m.name] for m in self.build.models
                              if m.role == "policy" and m.engine != "vllm"}
 
-    def _wanted(self) -> dict[str, tuple[int, list[Any]]]:
+    def wanted(self) -> dict[str, tuple[int, list[Any]]]:
+        """The model versions an instance started now loads (model -> (version, its refs in the store))."""
         return {m: self.state[m] for m in self.models}
 
     # ---- the WorkerGroup protocol --------------------------------------------------------------------
@@ -168,24 +160,23 @@ class ServerlessGroup:
         order, choice, sink = None, None, None
         if method == "generate" and args and isinstance(args[1], Batch):
             # a migrating generation's instances wait on one another: no more than can run at once
-            args, world, order, gen = self.scaler.shards(args, self._room(self.world))
+            args, world, order, gen = self.scaler.shards(args, self.room(self.world))
             choice, sink = gen.choice, gen.sink
         elif method not in dispatch.UPDATES and mode == "split":
             rows = next((a.size for a in args if isinstance(a, Batch)), 0)
             world, _ = self.scaler.forward(method, rows)
         plan = dispatch.plan(method, args, kwargs, mode, world)
-        if self.slots is not None:  # idle pre-warmed instances of other pools make way
-            self.slots.make_room(self.name, max(0, len(plan.calls) - self.prewarm.waiting()))
+        self.room(len(plan.calls))  # idle pre-warmed instances of other pools make way
         migrating = args[1] if method == "generate" and len(plan.calls) > 1 and self.policy.tau < 1.0 else None
-        migration = f"{self.key[0]}/{self.name}/migrate-{next(self.boxes)}" if migrating is not None else ""
+        migration = self.new_box("migrate") if migrating is not None else ""
         new = next(VERSIONS) if method in dispatch.UPDATES else 0
-        wanted = self._wanted()
+        wanted = self.wanted()
         self.calls[method] = self.calls.get(method, 0) + 1
         crash = self.crash_on_call
         marker = crash[2] if crash is not None and (crash[0], crash[1]) == (method, self.calls[method]) else None
-        first, warm = self.prewarm.arrived(len(plan.calls), method)
+        first, warm = self.take_warm(len(plan.calls), method)
         refs: list[list[ray.ObjectRef]] = []
-        shares, shared = self._shares(plan)
+        shares, shared = self.shares(plan)
         boxes = [w.box for w in warm] + ([migration] if migrating is not None else []) + ([shared] if shared else [])
         tokens: list[str] = []
         for c in plan.calls:
@@ -193,8 +184,8 @@ class ServerlessGroup:
             how, kw = method, {**c.kwargs, **({"share": shares[c.rank]} if shares else {})}
             if migrating is not None:
                 how, kw = migrate.METHOD, {**kw, "first_prompt": c.offset, "mailbox": self.mailbox,
-                                           "role": self._role(c.rank, len(plan.calls), migration, sink)}
-            got, token = self._submit(warm, wanted, how, c.args, kw, new, lost)
+                                           "role": self.role(c.rank, len(plan.calls), migration, sink)}
+            got, token = self.submit(warm, how, c.args, kw, new, lost, wanted)
             refs.append(got)
             tokens.append(token)
         if method in dispatch.UPDATES:
@@ -203,17 +194,32 @@ class ServerlessGroup:
                 self.state[m] = (new, [refs[0][2], m, refs[0][3]])
         return ServerlessFuture(self, plan, refs, order, choice, first, boxes, migrating, tokens)
 
-    def _submit(self, warm: list[Warm], wanted: Mapping[str, Any], how: str, args: tuple[Any, ...],
-                kw: Mapping[str, Any], new: int = 0, lost: str | None = None) -> tuple[list[ray.ObjectRef], str]:
-        """One instance task (a pre-warmed instance from `warm`, if any is left) -> (its 4 results, its token)."""
+    # ---- what the group's collaborators start and collect instances with (streamed.py, env_release.py) ----
+    def new_box(self, kind: str) -> str:
+        """A fresh name for a Mailbox box (or an instance task) of this group: `RUN/GROUP/KIND-N`."""
+        return f"{self.key[0]}/{self.name}/{kind}-{next(self.boxes)}"
+
+    def take_warm(self, shards: int, method: str) -> tuple[bool, list[Warm]]:
+        """A call of `shards` instances comes: (whether it is the step's first, the pre-warmed instances it
+        takes; `submit` hands them their calls)."""
+        return self.prewarm.arrived(shards, method)
+
+    def submit(self, warm: list[Warm], how: str, args: tuple[Any, ...], kw: Mapping[str, Any], new: int = 0,
+               lost: str | None = None, wanted: Mapping[str, Any] | None = None
+               ) -> tuple[list[ray.ObjectRef], str]:
+        """One instance task running `how(*args, **kw)` on the model versions `wanted` (default: `wanted()`),
+        a pre-warmed instance from `warm` if any is left -> (its 4 results, its token in the ledger)."""
+        wanted = self.wanted() if wanted is None else wanted
         if warm:  # a pre-warmed instance takes the call from its box
             w = warm.pop()
             self.mailbox.put.remote(w.box, [ray.put((dict(wanted), how, args, dict(kw), new, lost))])
             return w.refs, w.box
-        token = f"{self.key[0]}/{self.name}/task-{next(self.boxes)}"
+        token = self.new_box("task")
         ledger = (self.mailbox, token) if self.mailbox is not None else None
         refs = remote_serve.options(**self.options, num_returns=4, name=token).remote(
             self.key, self.build, dict(wanted), how, args, dict(kw), new, lost, ledger)
+        if self.track is not None:
+            self.track(token, refs[0])
         if self.slots is not None:
             self.slots.taken(self.name, refs[1])
         return list(refs), token
@@ -222,95 +228,39 @@ class ServerlessGroup:
         """What each instance task asks Ray for."""
         return self.devices.asks()
 
-    def _room(self, want: int, others: int = 0) -> int | None:
-        """Instances of this pool that can hold a slot at once now, `others` more of other pools' beside them
-        (this pool's idle pre-warmed ones count as its own; other pools' make way): the most a call whose
-        instances wait on one another may use. None: not counted (no slots known)."""
-        if self.slots is None or self.slots.total is None:
+    def room(self, want: int, beside: Mapping[str, int] | None = None) -> int | None:
+        """Instances of this pool (at most `want`) that can hold a device at once now, with `beside` (group ->
+        instances) of other pools started beside them (this pool's idle pre-warmed ones count as its own; other
+        pools' make way): the most a call whose instances wait on one another may use. None: no slots counted
+        (a group made without the run's `Slots`)."""
+        if self.slots is None:
             return None
-        mine = self.prewarm.waiting()
-        return self.slots.make_room(self.name, max(0, want + others - mine)) + mine - others
+        return self.slots.make_room(self.name, want, beside, self.prewarm.waiting())
 
-    # ---- a fused gen-infer stage, streamed by the pools themselves (backends/serverless/stream.py) -------
+    def close_boxes(self, boxes: Sequence[str]) -> None:
+        """Boxes whose instances returned: forgotten by the Mailbox (what they held is unpinned)."""
+        for box in boxes:
+            self.mailbox.close.remote(box)
+
+    def refill(self) -> None:
+        """A call returned: the pools' lower bounds let go for it are kept warm again."""
+        if self.slots is not None:
+            self.slots.refill()
+
+    def note(self, metrics: Mapping[str, float]) -> None:
+        """The group's own figures for the step's metrics."""
+        self.ledger.note(metrics)
+
+    def record(self, used: Sequence[Usage], tokens: Sequence[str]) -> None:
+        """Finished instance tasks, each with its token, for the cost report."""
+        self.ledger.record(used, tokens)
+
+    # ---- a fused gen-infer stage, streamed by the pools themselves (backends/serverless/streamed.py) -----
     def stream_stage(self, gen: Node, forwards: Sequence[Node], prompts: Batch, seed: int,
                      others: Mapping[str, WorkerGroup]) -> StreamedStage | None:
         """Generation on this pool's instances, each running its own group's forwards on its chunks and
         offering every chunk to one instance of each other serverless group with forwards of the stage."""
-        if self.policy.env_release and env_spec_of(gen.attrs) is not None:
-            return None  # multi-turn: instances give their devices back while tools run instead (env_release.py)
-        away: dict[str, list[ChunkForward]] = {}
-        for f in forwards:
-            if f.worker_group != self.name:
-                away.setdefault(f.worker_group, []).append(_chunk_forward(f))
-        consumers = {name: others[name] for name in away}
-        if not all(isinstance(g, ServerlessGroup) for g in consumers.values()):
-            return None
-        room = self._room(self.world, len(away))  # generation and forward instances wait on one another
-        if room is not None and room < 1:
-            return None  # not all of the stage's instances could run at once: the controller runs it unfused
-        started = time.perf_counter()
-        args, world, order, decided = self.scaler.shards((str(gen.model), prompts, dict(gen.attrs)), room)
-        choice, sink = decided.choice, decided.sink
-        plan = dispatch.plan("generate", args, {"step_seed": seed}, "split", world)
-        box = f"{self.key[0]}/{self.name}/stream-{next(self.boxes)}" if away else ""
-        first, warm = self.prewarm.arrived(len(plan.calls), "generate")
-        here = [_chunk_forward(f) for f in forwards if f.worker_group == self.name]
-        made = []
-        migration = f"{self.key[0]}/{self.name}/migrate-{next(self.boxes)}"
-        shares, shared = self._shares(plan)
-        for c in plan.calls:
-            kw = {**c.kwargs, "first_prompt": c.offset, "box": box, "inline": here, "mailbox": self.mailbox,
-                  "role": self._role(c.rank, len(plan.calls), migration, sink),
-                  **({"share": shares[c.rank]} if shares else {})}
-            made.append(self._submit(warm, self._wanted(), migrate.METHOD, c.args, kw))
-        late = self.late_s()
-        if away:  # the forward instances start with the first chunk (or once a generation instance returned),
-            # `late` seconds after it: a share of what they waited for chunks at the last steps, slot held; sooner
-            # only when every generation instance has returned (one returning leaves the others' chunks to wait for)
-            ray.wait([self.mailbox.take_all.remote(box, 0), *[r[1] for r, _ in made]], num_returns=1)
-            if late > 0:
-                ray.wait([r[1] for r, _ in made], num_returns=len(made), timeout=late)
-        jobs: list[tuple[ServerlessGroup, str, list[ray.ObjectRef], str]] = []
-        waits: list[float] = []  # what each forward instance waited for chunks this step
-        for name, fs in away.items():
-            g = consumers[name]
-            assert isinstance(g, ServerlessGroup)
-            _, waiting = g.prewarm.arrived(1, fs[0].op)
-            refs, token = g._submit(waiting, g._wanted(), stream.CONSUME, (fs,),
-                                    {"box": box, "producers": len(plan.calls), "mailbox": self.mailbox})
-            jobs.append((g, fs[0].op, refs, token))
-        parts, used = self._collect("generate", [r for r, _ in made], [t for _, t in made], first)
-        for done in [migration, shared] if shared else [migration]:
-            self.mailbox.close.remote(done)
-        outs: dict[str, list[tuple[Batch, Any]]] = {}
-        wall_spans: dict[str, tuple[float, float]] = {}
-        for part in parts:
-            _gather(outs, wall_spans, part.outs, part.spans)
-        for g, op, refs, token in jobs:
-            (theirs, spans, busy), st = ray.get([refs[0], refs[1]])
-            u = g._usage(op, st)
-            waited = max(0.0, u.run_s - busy)
-            u = replace(u, run_s=busy, wait_s=u.wait_s + waited)  # waiting for chunks: idle
-            waits.append(waited)
-            g.ledger.record([u], [token])
-            _gather(outs, wall_spans, theirs, spans)
-        if box:
-            self.mailbox.close.remote(box)  # its chunks are no longer pinned in the object store
-        self.learn_slack(waits, late)
-        shift = time.time() - time.perf_counter()  # wall clock -> perf_counter
-        gen_end = max(part.ended for part in parts)
-        chunks, rollout = self._rollout(parts, args[1])
-        self.ledger.note(self.scaler.measure(chunks, used, choice, gen_end - shift - started))
-        rows = self.scaler.restore_rows(rollout, order)
-        rollout = self.scaler.learn_and_restore(rollout, order)
-        if self.slots is not None:
-            self.slots.refill()
-        return StreamedStage(
-            rollout, {n: in_order(assemble([o for o, _ in got_], [s for _, s in got_]), rows, order)
-                      for n, got_ in outs.items()},
-            {"fusion/chunks": float(sum(len(p.chunks) for p in parts)), "fusion/workers": float(len(plan.calls)),
-             "fusion/gen_s": gen_end - shift - started, **({"fusion/late_s": late} if away else {})},
-            gen_end - shift, {n: (a - shift, b - shift) for n, (a, b) in wall_spans.items()})
+        return streamed.stream_stage(self, gen, forwards, prompts, seed, others)
 
     def late_s(self) -> float:
         """How long after the first chunk a streamed stage's forward instances start (flowrl.elastic.late, as
@@ -322,20 +272,20 @@ class ServerlessGroup:
         slack the stage had after it, into the moving mean."""
         self.slack_s = update_slack(self.slack_s, waits, late)
 
-    def _collect(self, method: str, refs: Sequence[Sequence[ray.ObjectRef]], tokens: Sequence[str],
+    def collect(self, method: str, refs: Sequence[Sequence[ray.ObjectRef]], tokens: Sequence[str],
                  first: bool) -> tuple[list[Any], list[Usage]]:
         """A call's instance results and their usage (recorded for the cost report and the ledger)."""
         if self.acquire is not None:  # a joined cluster: fail, naming the pool, rather than wait for good
             self.acquire.granted(self.pool or self.name, tokens, [r[1] for r in refs], self.asked())
         got = ray.get([r[0] for r in refs] + [r[1] for r in refs])
-        used = [self._usage(method, st) for st in got[len(refs):]]
+        used = [self.usage_for(method, st) for st in got[len(refs):]]
         learned = prefill.learned(self.prefill, [st["prefill"] for st in got[len(refs):] if "prefill" in st])
         self.ledger.note({f"prefill/{self.name}/{k}": v for k, v in learned.items()})
         self.ledger.record(used, tokens)
         self.prewarm.learn(used, first)
         return got[:len(refs)], used
 
-    def _rollout(self, parts: Sequence[migrate.Part], prompts: Batch) -> tuple[list[Batch], Batch]:
+    def rollout(self, parts: Sequence[migrate.Part], prompts: Batch) -> tuple[list[Batch], Batch]:
         """Generation instances' parts -> (each instance's finished rows as one batch, the rollout in sample
         order); what moved between them goes to the metrics."""
         if len(parts) > 1 and self.policy.tau < 1.0:
@@ -344,16 +294,16 @@ class ServerlessGroup:
         rows = [concat(part.chunks) if part.chunks else Batch(0, {}) for part in parts]
         return rows, migrate.merge([[r] for r in rows if r.size], prompts)
 
-    def _shares(self, plan: dispatch.Plan) -> tuple[list[prefill.Share], str]:
+    def shares(self, plan: dispatch.Plan) -> tuple[list[prefill.Share], str]:
         """A generation's deduplicated prefill: each instance's `Share` and the box owners offer prefixes in
         (([], "") when it does not apply; prefill.shares_for)."""
         shares, box, decided = prefill.shares_for(plan, self.encoders, self.policy.dedup, self.prefill,
-                                                  lambda: f"{self.key[0]}/{self.name}/prefill-{next(self.boxes)}",
+                                                  lambda: self.new_box("prefill"),
                                                   self.mailbox)
         self.ledger.note({f"prefill/{self.name}/{k}": v for k, v in decided.items()})
         return shares, box
 
-    def _role(self, rank: int, shards: int, box: str, sink: int | None) -> migrate.Role | None:
+    def role(self, rank: int, shards: int, box: str, sink: int | None) -> migrate.Role | None:
         """A generation instance's part in cut-and-migrate: `sink` (the generation plan's, Scaler.shards:
         flowrl.elastic.migration_sink) takes the tails, the others are sources; None without migration (one
         shard, no sink, or `migrate_at` = 1)."""
@@ -364,10 +314,10 @@ class ServerlessGroup:
     def finish(self, plan: dispatch.Plan, refs: list[list[ray.ObjectRef]], order: list[int] | None,
                choice: ScaleChoice | None = None, sent: float = 0.0, first: bool = False,
                migrating: Batch | None = None, tokens: Sequence[str] = ()) -> Any:
-        results, used = self._collect(plan.method, refs, tokens, first)
+        results, used = self.collect(plan.method, refs, tokens, first)
         model = plan.calls[0].args[0] if plan.calls[0].args else None
         if migrating is not None:  # each instance's Part: its finished rows, what moved
-            results, merged = self._rollout(results, migrating)
+            results, merged = self.rollout(results, migrating)
         if plan.method == "generate":
             self.ledger.note(self.scaler.measure(results, used, choice, time.perf_counter() - sent))
         if migrating is None:
@@ -377,8 +327,7 @@ class ServerlessGroup:
         elif plan.method not in dispatch.UPDATES and plan.mode == "split":
             rows = [next((a.size for a in c.args if isinstance(a, Batch)), 0) for c in plan.calls]
             self.ledger.note(self.scaler.learn_forward(plan.method, rows, used))
-        if self.slots is not None:  # the lower bounds let go for this call are kept warm again
-            self.slots.refill()
+        self.refill()  # the lower bounds let go for this call are kept warm again
         return merged
 
     def pool_of(self, method: str) -> str:
@@ -387,7 +336,8 @@ class ServerlessGroup:
             return self.pool
         return STAGE_KINDS.get(method, "setup")  # start-up (the first instance's build) and checkpoints
 
-    def _usage(self, method: str, st: Mapping[str, Any]) -> Usage:
+    def usage_for(self, method: str, st: Mapping[str, Any]) -> Usage:
+        """An instance task's stats as the usage the cost report reads, in the pool its call counts in."""
         return usage_of(self.pool_of(method), self.name, st)
 
     def on_rank(self, rank: int, method: str, *args: Any, **kwargs: Any) -> Any:
@@ -416,7 +366,7 @@ class ServerlessGroup:
         """The instance tasks finished since the last call (pre-warmed ones released unused included, once they
         have returned)."""
         for st, method, box in self.prewarm.returned():
-            self.ledger.record([self._usage(method, st)], [box])
+            self.ledger.record([self.usage_for(method, st)], [box])
             self.mailbox.close.remote(box)
         return self.ledger.take_usage()
 

@@ -42,7 +42,7 @@ import ray
 import torch
 
 from flowrl.backends.serverless import env_release, migrate, prefill, stream
-from flowrl.backends.serverless.cache import Entry, ProcessModels, free, movable, move_models
+from flowrl.backends.serverless.cache import Entry, ProcessModels, free, move_models, why_not_movable
 from flowrl.backends.serverless.devices import SLOT as SLOT  # the resource instances took before devices.py
 from flowrl.backends.serverless.devices import choose_device, task_device
 from flowrl.ir.graph import ModelDecl
@@ -80,7 +80,7 @@ def _ready(key: tuple[str, str], build: Build, wanted: Mapping[str, tuple[int, S
     device = device or choose_device(build.device, [], None)
     began = time.perf_counter()
     entry = _CACHE.get(key)
-    if entry is not None and movable(entry.worker) and str(entry.worker.device) != device:
+    if entry is not None and why_not_movable(entry.worker) and str(entry.worker.device) != device:
         _CACHE.drop(key)  # an engine that places its own memory cannot move: built again where this task runs
         entry = None
     cold = entry is None
@@ -89,7 +89,7 @@ def _ready(key: tuple[str, str], build: Build, wanted: Mapping[str, tuple[int, S
                       {m.name: 0 for m in build.models})
         _CACHE.put(key, entry)
     built = time.perf_counter()
-    if not cold and not movable(entry.worker):  # back from host memory (CPU to CPU: the same path, no copy)
+    if not cold and not why_not_movable(entry.worker):  # back from host memory (CPU to CPU: the same path, no copy)
         move_models(entry.worker, device)
     for model, (version, holder) in wanted.items():
         if entry.versions.get(model) != version:
@@ -131,7 +131,7 @@ def _release(key: tuple[str, str], build: Build, stats: dict[str, Any]) -> None:
         stats["models_on"] = str(entry.worker.device)  # where its models ran: the choice, as the worker made it
     if not build.keep_warm:
         _CACHE.drop(key)
-    elif entry is not None and (build.keep_on_device or movable(entry.worker)):
+    elif entry is not None and (build.keep_on_device or why_not_movable(entry.worker)):
         kept = True
     elif entry is not None:
         offload_s = move_models(entry.worker, "cpu")
@@ -183,6 +183,22 @@ def _run(key: tuple[str, str], build: Build, entry: Entry, method: str, args: tu
     return result, state, took
 
 
+def _ready_and_run(key: tuple[str, str], build: Build, wanted: Mapping[str, tuple[int, Sequence[Any]]],
+                   placed: Mapping[str, Any], method: str, args: tuple[Any, ...], kwargs: dict[str, Any],
+                   new_version: int, crash: str | None, noted: Any) -> tuple[Any, tuple[Any, Any], dict[str, Any]]:
+    """The models at the versions `wanted` names on the task's device (`placed`), then `ModelWorker.<method>`
+    -> (result, an update's new state, stats: cold, start_s, load_s, run_s and what the method measured). If
+    either fails the device goes back all the same: the models leave it first."""
+    try:
+        entry, cold, start_s, load_s = _ready(key, build, wanted, placed["device"])
+        extra: dict[str, Any] = {}
+        result, state, run_s = _run(key, build, entry, method, args, kwargs, new_version, crash, noted, extra)
+    except BaseException:
+        _release(key, build, {**placed, "load_s": 0.0})
+        raise
+    return result, state, {"cold": cold, "start_s": start_s, "load_s": load_s, "run_s": run_s, **extra}
+
+
 def serve(key: tuple[str, str], build: Build, wanted: Mapping[str, tuple[int, Sequence[Any]]], method: str,
           args: tuple[Any, ...], kwargs: dict[str, Any], new_version: int,
           crash: str | None = None, ledger: tuple[Any, str] | None = None) -> tuple[Any, dict[str, Any], Any, Any]:
@@ -195,16 +211,9 @@ def serve(key: tuple[str, str], build: Build, wanted: Mapping[str, tuple[int, Se
     wall = time.time()
     noted = _attempt(ledger, wall)
     placed = _device(build)
-    try:
-        entry, cold, start_s, load_s = _ready(key, build, wanted, placed["device"])
-        extra: dict[str, Any] = {}
-        result, state, run_s = _run(key, build, entry, method, args, kwargs, new_version, crash, noted, extra)
-    except BaseException:  # the device goes back all the same: the models leave it first
-        _release(key, build, {**placed, "load_s": 0.0})
-        raise
-    stats = {"pid": os.getpid(), "cold": cold, "start_s": start_s, "load_s": load_s, "run_s": run_s,
-             "began": wall, "wait_s": 0.0, "prewarmed": False, "ready_first": False, "served": True, **extra,
-             **placed}
+    result, state, ran = _ready_and_run(key, build, wanted, placed, method, args, kwargs, new_version, crash, noted)
+    stats = {"pid": os.getpid(), "began": wall, "wait_s": 0.0, "prewarmed": False, "ready_first": False,
+             "served": True, **ran, **placed}
     _release(key, build, stats)
     return result, stats, state[0], state[1]
 
@@ -232,14 +241,10 @@ def prewarm(key: tuple[str, str], build: Build, wanted: Mapping[str, tuple[int, 
         _release(key, build, stats)
         return None, stats, None, None
     wanted_now, method, args, kwargs, new_version, crash = ray.get(sent[0])
-    try:  # a version newer than the one loaded ahead, then the call
-        entry, _, _, newer_s = _ready(key, build, wanted_now, placed["device"])
-        extra: dict[str, Any] = {}
-        result, state, run_s = _run(key, build, entry, method, args, kwargs, new_version, crash, noted, extra)
-    except BaseException:  # the device goes back all the same: the models leave it first
-        _release(key, build, {**placed, "load_s": 0.0})
-        raise
-    stats.update(load_s=load_s + newer_s, run_s=run_s, **extra)
+    # a version newer than the one loaded ahead, then the call
+    result, state, ran = _ready_and_run(key, build, wanted_now, placed, method, args, kwargs, new_version, crash,
+                                        noted)
+    stats.update({k: v for k, v in ran.items() if k not in ("cold", "start_s")}, load_s=load_s + ran["load_s"])
     _release(key, build, stats)
     return result, stats, state[0], state[1]
 

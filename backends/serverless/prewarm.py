@@ -41,7 +41,7 @@ class Prewarmer:
 
     def __init__(self, key: tuple[str, str], build: Build, mailbox: Any, margin_s: float, enabled: bool,
                  boxes: Iterator[int], wanted: Callable[[], Mapping[str, Any]], options: Mapping[str, Any],
-                 slots: Slots | None = None, floor: int = 0):
+                 slots: Slots | None = None, floor: int = 0, track: Callable[[str, Any], None] | None = None):
         self.key, self.build, self.mailbox, self.margin_s = key, build, mailbox, margin_s
         self.enabled = enabled
         self.boxes, self.wanted, self.options = boxes, wanted, dict(options)
@@ -57,6 +57,7 @@ class Prewarmer:
         self.first_method = "generate"  # the method of the step's first call (its pool counts unused instances)
         self.slots = slots  # the run's device slots: never start more than are free (backends/serverless/slots.py)
         self.floor = floor  # instances kept warm all along (the pool's lower bound `gpus = LO..HI`)
+        self.track = track  # told each instance task's name and a result of it (held.TaskClock reads it by id)
 
     def begin_step(self, began: float) -> None:
         """A step starts (perf_counter `began`): release instances started for the last one and not used (but
@@ -90,7 +91,7 @@ class Prewarmer:
 
     def _launch(self, n: int) -> None:
         """Start up to `n` more instances (no more than the run has free slots for); under the lock."""
-        n = self.slots.room(n) if self.slots is not None else n
+        n = self.slots.room(self.key[1], n) if self.slots is not None else n
         if n <= 0 or self.mailbox is None:
             return
         wanted = dict(self.wanted())
@@ -99,6 +100,8 @@ class Prewarmer:
             started: Any = remote_prewarm.options(**self.options, num_returns=4, name=box).remote(
                 self.key, self.build, wanted, self.mailbox, box)
             self.warm.append(Warm(box, list(started)))
+            if self.track is not None:
+                self.track(box, started[0])
             if self.slots is not None:
                 self.slots.taken(self.key[1], started[1])
 

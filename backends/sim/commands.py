@@ -138,7 +138,8 @@ def _setup(args: argparse.Namespace) -> tuple[CostModel, FlowWork, list[Step]]:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
-    from flowrl.backends.sim.policies import POLICIES, Options
+    from flowrl.backends.sim.policies import Options
+    from flowrl.backends.sim.registry import POLICIES
     from flowrl.backends.sim.simulate import report, simulate, write_trace
 
     names = [p for p in args.policy.split(",") if p]

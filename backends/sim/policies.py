@@ -1,4 +1,5 @@
-"""Scheduling policies the simulator runs a step under (flowrl.backends.sim), each a class with `step`.
+"""Scheduling policies the simulator runs a step under (flowrl.backends.sim), each a class with `step`; the
+registry that makes one by name is registry.py.
 
 - `serverful`: verl-like. Every model on every device (colocated); generation instances of `gen_tp` devices
   take contiguous runs of the batch in data order and the stage ends with its slowest instance; then each
@@ -8,7 +9,7 @@
   slots), the others' unfinished samples migrate to them with their KV cache, and the freed devices start the
   forwards over finished samples. Intra-stage: an actor and a critic update train side by side in the fused
   pipeline schedule (flowrl.planner.fuse_schedule), their time scaled by its makespan over the two run apart.
-- `rlhfless` (rlhfless.py): the serverless backend's decisions by its own flowrl.elastic calls: lengths
+- `rlhfless` (rlhfless.py, built on `Serverful` here): the serverless backend's decisions by its own flowrl.elastic calls: lengths
   predicted from history, the cost-weighted instance count on the measured decode curve, length-ranked runs,
   cut-and-migrate to the sink at `tau`, the deduplicated prefill and history-based pre-warming.
 - `pipe-rlhf`: Pipe-RLHF as its abstract describes it: the devices split between a rollout pool and a train
@@ -30,8 +31,6 @@ from flowrl.backends.sim.workload import Step
 from flowrl.elastic import LATE_SHARE, migration_target
 from flowrl.errors import Diagnostic, FlowError
 from flowrl.planner.fuse_schedule import Problem, lower_bound, solve
-
-POLICIES = ("serverful", "rlhfuse", "rlhfless", "pipe-rlhf")
 
 
 @dataclass(frozen=True)
@@ -325,13 +324,3 @@ class PipeRLHF(Serverful):
         except FlowError:
             return False
         return train >= 1
-
-
-def make(name: str, cost: CostModel, work: FlowWork, opts: Options) -> Serverful:
-    from flowrl.backends.sim.rlhfless import RLHFless  # it builds on Serverful, here
-
-    classes: dict[str, type[Serverful]] = {"serverful": Serverful, "rlhfuse": RLHFuse, "rlhfless": RLHFless,
-                                           "pipe-rlhf": PipeRLHF}
-    if name not in classes:
-        raise FlowError(Diagnostic(f"no simulator policy {name!r}", hint=f"one of {', '.join(POLICIES)}"))
-    return classes[name](cost, work, opts)

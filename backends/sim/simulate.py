@@ -1,6 +1,6 @@
 """`flowrl simulate`: a flow's steps on a described cluster under one policy (flowrl.backends.sim).
 
-Runs the workload's steps one after another through the policy (`policies.py`), then reports the mean step time,
+Runs the workload's steps one after another through the policy (`policies.py`, by name: `registry.py`), then reports the mean step time,
 device-seconds held and busy per pool, money at the cluster's price, and writes the steps' spans as a trace.json
 that `flowrl timeline` draws (one row per pool, generation instances on their own rows).
 """
@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from flowrl.backends.sim.costs import CostModel
-from flowrl.backends.sim.policies import Options, StepResult, make
+from flowrl.backends.sim.policies import Options, StepResult
+from flowrl.backends.sim.registry import make
 from flowrl.backends.sim.work import FlowWork
 from flowrl.backends.sim.workload import Step
 

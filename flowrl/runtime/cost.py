@@ -11,7 +11,9 @@ hold). Three ways of counting what a pool held, by what the backend can tell:
   groups start to the end of the run, so per step `held` is the pool's devices times the wall time since the
   previous step ended, and `starting` the time the backend took to start its groups (charged to the first
   step). Their teardown is not charged.
-- An elastic backend's (`usage` not None) instance tasks, each held as the cluster counted it, plus what the
+- An elastic backend's (`usage` not None) instance tasks, each held as the cluster counted it where the
+  cluster's records came (`Usage.measured`; where the backend measures, `cost/measured_s` and `cost/timed_s`,
+  the rest, charged by the tasks' own timers, and `measured_frac`, the first's share of both), plus what the
   report adds itself: a process that kept a group's models on its device (`Usage.kept_on_device`) holds that
   device until it gives them up (`cost/kept_s`, see `DeviceKeeps`).
 `busy` is the devices times the union of the pool's nodes' spans, `idle` what is left. Metrics: `cost/held_s`,
@@ -231,12 +233,16 @@ class CostMeter:
         "device"`, or an engine that places its own memory): their process still holds that device, counted in
         `held_s` until it gives them up (`DeviceKeeps`; `kept_s`, and `POOL/kept_s`, the part of `held_s` that is
         the report's own: no cluster counter sees it); `device_left_bytes`: the most device memory a task left allocated
-        above what it found (0 where every instance gave its device back clean, and off CUDA)."""
+        above what it found (0 where every instance gave its device back clean, and off CUDA); where the backend
+        measures its tasks (`Usage.measured` not None): `measured_s`, the held that the cluster's records counted,
+        `timed_s`, the held of tasks whose records never came (their own timers'), `measured_frac` the first's
+        share."""
         out: dict[str, float] = {}
         totals = dict.fromkeys(("held_s", "busy_s", "starting_s", "loading_s", "waiting_s", "prewarmed_s",
                                 "lost_s", "cold_starts", "warm_starts", "cold_starts_waited", "prewarm_ready",
                                 "prewarm_late", "prewarm_unused", "lost_instances", "kept_on_device",
                                 "kept_s", "device_left_bytes"), 0.0)
+        counted = dict.fromkeys(("measured_s", "timed_s"), 0.0)
         kept = self.keeps.charge(usage, now)
         names = list(dict.fromkeys([p.name for p in self.pools] + [u.pool for u in usage] + list(kept)))
         for name in names:  # the declared pools, an elastic backend's stage-kind pools
@@ -261,10 +267,14 @@ class CostMeter:
             totals["prewarm_unused"] += sum(1 for u in mine if not u.served)
             totals["lost_s"] += sum(u.lost_s for u in mine)
             totals["lost_instances"] += sum(1 for u in mine if u.lost_s > 0)
+            counted["measured_s"] += sum(u.held_s for u in mine if u.measured)
+            counted["timed_s"] += sum(u.held_s for u in mine if u.measured is False)
             totals["kept_on_device"] += sum(1 for u in mine if u.kept_on_device)
             totals["device_left_bytes"] = max([totals["device_left_bytes"], *(u.left_bytes for u in mine)])
         totals["idle_s"] = max(0.0, totals["held_s"] - totals["busy_s"] - totals["starting_s"] - totals["loading_s"]
                                - totals["lost_s"])
+        if any(u.measured is not None for u in usage):
+            totals.update(counted, measured_frac=_measured_frac(counted))
         out.update({PREFIX + k: v for k, v in totals.items()})
         self.first = False
         return out
@@ -293,9 +303,12 @@ def summary(rows: Sequence[Mapping[str, Any]], pools: Sequence[Pool], gpu_hour: 
                              "kept_on_device")
     # what only some backends report: reserved pools' teardown, the devices elastic processes kept
     # and multi-turn runs' device-seconds held while environments ran (flowrl.runtime.controller.env_metrics)
-    keys += tuple(k for k in ("stopping_s", "kept_s", "env_wait_held_s") if any(PREFIX + k in r for r in rows))
+    keys += tuple(k for k in ("stopping_s", "kept_s", "env_wait_held_s", "measured_s", "timed_s")
+                  if any(PREFIX + k in r for r in rows))
     for key in keys:
         out[key] = total(PREFIX + key)
+    if "measured_s" in out:  # an elastic backend's: how much of its tasks' held the cluster's records measured
+        out["measured_frac"] = _measured_frac(out)
     out["utilization"] = out["busy_s"] / out["held_s"] if out["held_s"] else 0.0
     if gpu_hour or cpu_hour:
         for p in out["pools"]:
@@ -305,6 +318,13 @@ def summary(rows: Sequence[Mapping[str, Any]], pools: Sequence[Pool], gpu_hour: 
                         "gpu_hour": gpu_hour, "cpu_hour": cpu_hour}
         out["money"]["total"] = out["money"]["devices"] + out["money"]["controller"]
     return out
+
+
+def _measured_frac(totals: Mapping[str, float]) -> float:
+    """The share of the instance tasks' held device-seconds that the cluster's records counted (the rest: their
+    own timers'); 1.0 when they held nothing."""
+    both = totals["measured_s"] + totals.get("timed_s", 0.0)
+    return totals["measured_s"] / both if both > 0 else 1.0
 
 
 def instance_spans(usage: Sequence[Usage], step: int, t0_wall: float) -> list[Span]:
@@ -336,6 +356,10 @@ def table(report: Mapping[str, Any]) -> str:
                      "it back (keep_warm = \"device\"): their processes held those devices "
                      f"{report.get('kept_s', 0.0):.1f} dev-s between tasks, counted in held dev-s (the report's "
                      "own figure: the cluster counts them free)")
+    if report.get("measured_frac", 1.0) < 1.0:  # some tasks' records never came: say what the figure rests on
+        lines.append(f"{report['measured_frac']:.1%} of the instance tasks' held dev-s is the cluster's own count; "
+                     "the rest, tasks whose task events Ray did not keep, is their own timers' (it misses "
+                     "scheduling and result transfer)")
     if money:
         lines.append(f"money: {money['total']:.4f} = devices {money['devices']:.4f} at {money['gpu_hour']:g} a "
                      f"device-hour + controller {money['controller']:.4f} at {money['cpu_hour']:g} an hour")

@@ -57,6 +57,9 @@ class Usage:
     left_bytes: float = 0.0  # device memory it left allocated above what it found, giving the device back (CUDA)
     lost_s: float = 0.0  # an attempt whose process was lost: from its start to its retry's (the task re-ran)
     outside_s: float = 0.0  # held as the cluster counts it beyond the timers above (below 0: they saw more)
+    # held_s is what the cluster counted (its records of the task came): True; False: the backend measures, but
+    # this task's records never came, so its own timers' figures stand; None: the backend does not measure
+    measured: bool | None = None
 
     @property
     def held_s(self) -> float:

@@ -295,13 +295,21 @@ def test_an_unused_env_is_a_warning(compile_ok: Compile) -> None:
     """)]
 
 
-def test_an_env_needs_the_torch_engine(compile_error: Error) -> None:
-    text = MODELS.replace('context = 64 }', 'context = 64, engine = "vllm" }') + ENV + \
-        "use grpo(max_tokens = 4, env = count)\n"
-    rendered = compile_error(text)
-    assert expect("""
-        t.flow:4:5: error: `count` needs the torch engine, but model `actor` uses engine = "vllm"
-            env count = "dsl_envs.Countdown" { max_turns = 3, stop = ["=", "+"], workers = 0, timeout = 5 }
+# the generating model's own engine counts, not its source's: in "source", `actor` copies `base` (torch) but runs
+# vLLM, whose worker would otherwise run the turns on the torch engine without a word
+VLLM_MODELS = {
+    "own": MODELS.replace('context = 64 }', 'context = 64, engine = "vllm" }'),
+    "source": MODELS.replace("model actor :", "model base :").replace("source = actor", "source = base")
+    .replace("model ref :", 'model actor : policy { source = base, engine = "vllm" }\nmodel ref :'),
+}
+
+
+@pytest.mark.parametrize("models, line", [("own", 4), ("source", 5)])
+def test_an_env_needs_the_torch_engine(compile_error: Error, models: str, line: int) -> None:
+    rendered = compile_error(VLLM_MODELS[models] + ENV + "use grpo(max_tokens = 4, env = count)\n")
+    assert expect(f"""
+        t.flow:{line}:5: error: `count` needs the torch engine, but model `actor` uses engine = "vllm"
+            env count = "dsl_envs.Countdown" {{ max_turns = 3, stop = ["=", "+"], workers = 0, timeout = 5 }}
                 ^^^^^
         hint: multi-turn generation runs on the torch engine only, for now: drop `engine` from the model
     """) in rendered

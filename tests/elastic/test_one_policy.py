@@ -4,7 +4,7 @@ Three recorded steps of seven prompts, two samples each (prompt lengths, respons
 seconds per decode step at each instance batch; the first step's instances cold). Each step both sides decide
 the generation's instance count, each instance's prompts, the migration sink and the pre-warm plan, then
 learn from what the recorded step measured on the instances they chose. The backend's side is its own code,
-without Ray (backends/serverless: `Scaler.shards` and `dispatch.plan` cutting its shards, `ServerlessGroup._role`
+without Ray (backends/serverless: `Scaler.shards` and `dispatch.plan` cutting its shards, `ServerlessGroup.role`
 for the sink, `Prewarmer.plan`, then `Scaler.measure`, `Scaler.learn_and_restore` and `Prewarmer.learn`); the
 simulator's is `backends/sim/rlhfless.py`. Both sides call the same flowrl.elastic functions; this checks that
 each passes them the same state and reads the same decisions back. The deduplicated prefill is decided alike
@@ -83,7 +83,7 @@ def backend_step(group: ServerlessGroup, step: int) -> dict[str, object]:
     for c in calls:
         runs.append(positions[at:at + c.args[1].size])
         at += c.args[1].size
-    roles = [group._role(c.rank, len(calls), "box", plan.sink) for c in calls]
+    roles = [group.role(c.rank, len(calls), "box", plan.sink) for c in calls]
     sinks = [rank for rank, r in enumerate(roles) if r is not None and r.sources]
     decided = {"instances": len(runs), "runs": runs, "sink": sinks[0] if sinks else None,
                "choice": scores(choice),

@@ -14,7 +14,7 @@ import socket
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -34,14 +34,17 @@ def free_port() -> int:
 
 
 @contextmanager
-def head(slots: int, cpus: int = 2) -> Iterator[str]:
-    """A Ray head with `cpus` CPUs and `slots` device slots -> its address; its processes killed after."""
+def head(slots: int, cpus: int = 2, *, extra: Sequence[str] = (), env: Mapping[str, str] | None = None,
+         port: int | None = None) -> Iterator[str]:
+    """A Ray head with `cpus` CPUs and `slots` device slots (none: no `device_slot` resource) -> its address; its
+    processes (and every process they started, in their session: an autoscaler's nodes too) killed after.
+    `extra`: more `ray start` options; `env`: more environment; `port`: the GCS's (default: a free one)."""
     temp = Path(tempfile.mkdtemp(prefix="flowrl-h-", dir="/tmp"))  # Ray's socket paths must stay short
-    port = free_port()
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    port = port or free_port()
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", **(env or {})}
     cmd = [str(RAY), "start", "--head", "--port", str(port), "--num-cpus", str(cpus),
-           "--resources", json.dumps({"device_slot": slots}), "--include-dashboard=false",
-           "--ray-client-server-port", str(free_port()), "--temp-dir", str(temp)]
+           *(("--resources", json.dumps({"device_slot": slots})) if slots else ()), "--include-dashboard=false",
+           "--ray-client-server-port", str(free_port()), "--temp-dir", str(temp), *extra]
     started = subprocess.run(cmd, env=env, capture_output=True, text=True, start_new_session=True, timeout=180)
     session = _session_of(temp)
     try:

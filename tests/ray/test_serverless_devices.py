@@ -26,7 +26,8 @@ HERE = Path(__file__).resolve().parent
 def test_each_instance_runs_on_the_gpu_ray_assigned_it() -> None:
     """With GPUs in the cluster an instance asks for a GPU (not a device slot) and builds its models on the one
     Ray assigned it: Ray's ids are the node's GPUs 5 and 7, which the process sees as cuda:0 and cuda:1. Two
-    instances alive at once hold one each; with `gpu_fraction = 0.5` four share the two, two on each."""
+    instances alive at once hold one each; with `gpu_fraction = 0.5` four share the two, two on each. An instance
+    of a slot-asking pool there (device "auto") refuses to run on the CPU beside the GPUs it was not given."""
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
     done = subprocess.run([sys.executable, str(HERE / "fake_gpus.py")], capture_output=True, text=True, env=env,
                           timeout=540, cwd=HERE.parents[1])
@@ -42,6 +43,9 @@ def test_each_instance_runs_on_the_gpu_ray_assigned_it() -> None:
         for s in stats:
             assert s["device"] == s["models_on"] == place[s["gpu_ids"][0]]  # chosen, and where its worker built
             assert s["served"] and not s["kept_on_device"]
+    # a slot taken on a node with GPUs: never a silent CPU run beside them
+    assert got["slot"].startswith('device "auto": this instance took a `device_slot`, not a GPU, on a node with 2 '
+                                  "GPU(s)")
 
 
 def _instance_stats(ray_session: Any, graph: Graph, *, keep_warm: bool = True, on_device: bool = False

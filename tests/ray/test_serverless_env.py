@@ -50,7 +50,9 @@ use grpo(group = 2, max_tokens = 4, env = game)
 """
 
 
-def _generate(tmp: Path, backend: str, flow: str = FLOW) -> tuple[Batch, dict[str, float]]:
+def _generate(tmp: Path, backend: str, flow: str = FLOW, hosts: list[Any] | None = None
+              ) -> tuple[Batch, dict[str, float]]:
+    """One multi-turn generate of `flow` on `backend`; `hosts` gets the serverless pool's env host actors."""
     tmp.mkdir()
     (tmp / "data.jsonl").write_text("".join(json.dumps({"prompt": f"{a}+{b}", "answer": a + b}) + "\n"
                                             for a in range(3) for b in range(2)))
@@ -68,14 +70,26 @@ def _generate(tmp: Path, backend: str, flow: str = FLOW) -> tuple[Batch, dict[st
         prompts = Batch(4, {}, {"prompt": texts, "answer": [0] * 4, "prompt_slot": list(range(4))})
         out = group.call("generate", "actor", prompts, dict(gen.attrs), step_seed=11).result()
         metrics = group.take_metrics() if backend == "serverless" else {}
+        if hosts is not None:
+            hosts.extend(host for _, host in group.released.hosts.values())
     finally:
         be.shutdown()
     return out, metrics
 
 
 def test_parked_trajectories_resume_on_another_instance_with_the_local_samples(tmp_path: Path) -> None:
+    """...and once the backend shut down, its env host is gone: closed (its environments' processes with it),
+    then killed, so no actor of the run stays on the cluster (a call to it fails; the GCS has it dead)."""
+    import ray
+
     local, _ = _generate(tmp_path / "local", "local")
-    served, metrics = _generate(tmp_path / "serverless", "serverless")
+    hosts: list[Any] = []
+    served, metrics = _generate(tmp_path / "serverless", "serverless", hosts=hosts)
+    assert len(hosts) == 1
+    for host in hosts:
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(host.failed.remote(), timeout=60)
+        assert ray._private.state.actors(host._actor_id.hex())["State"] == "DEAD"
     assert metrics["env/parks"] >= 1 and metrics["env/rounds"] == metrics["env/parks"] + 1
     assert metrics["env/resumed_rows"] >= 1
     # the loops' seconds after their last chunk count too: idle and wall sum to what the rounds reported

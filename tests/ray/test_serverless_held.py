@@ -4,6 +4,7 @@ device slots in use from `ray.available_resources()` over the same run."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -58,6 +59,59 @@ def test_a_lost_attempt_holds_until_its_retry_asks_and_the_task_sums_its_attempt
     assert held_by_task(got) == pytest.approx({"a": 1.0 + 1.0})
 
 
+def _timed(seconds: float) -> float:
+    """A task that holds its lease for about `seconds` -> the seconds its own clock saw."""
+    import time
+
+    began = time.perf_counter()
+    time.sleep(seconds)
+    return time.perf_counter() - began
+
+
+@pytest.mark.ray
+def test_the_clock_reads_only_the_named_tasks_of_this_run(ray_session: Any) -> None:
+    """One GCS request a task, by its id where the pool tracked it, else by its name in this job: the run's tasks
+    are read (each held at least what its own clock saw), another prefix's are not, and a name whose events never
+    come is said missing once the wait is over."""
+    from flowrl.backends.serverless.held import TaskClock
+
+    ray = ray_session
+    timed = ray.remote(num_cpus=0)(_timed)
+    mine = {f"heldrun/g/task-{i}": timed.options(name=f"heldrun/g/task-{i}").remote(0.2) for i in range(2)}
+    other = timed.options(name="otherrun/g/task-0").remote(0.2)
+    own = dict(zip(mine, ray.get(list(mine.values())), strict=True))
+    ray.get(other)
+    clock = TaskClock("heldrun/", wait_s=0.5)
+    clock.track("heldrun/g/task-0", mine["heldrun/g/task-0"])  # by its id; task-1 by its name
+    held, missing = clock.held([*mine, "heldrun/g/never"])
+    assert missing == ["heldrun/g/never"] and set(held) == set(mine)
+    assert all(len(held[n]) == 1 and held[n][0] >= own[n] for n in mine)  # the lease covers the task's own run
+    assert {a.name for a in clock.attempts(["otherrun/g/task-0", *mine])} == set(mine)  # another run's: not read
+    assert set(clock.seen) == set(mine)
+
+
+@pytest.mark.ray
+def test_tasks_whose_records_never_came_are_charged_by_their_timers_and_said(ray_session: Any) -> None:
+    """The backend's whole-run total counts every task, each as the cluster counted it where its records came
+    and by its own timers where they did not; `measured_frac` says how much of the total is the cluster's."""
+    from flowrl.backends.serverless.backend import ServerlessBackend
+    from flowrl.backends.serverless.held import TaskClock
+    from flowrl.runtime.protocol import Usage
+
+    ray = ray_session
+    timed = ray.remote(num_cpus=0)(_timed)
+    ran = ray.get(timed.options(name="fracrun/g/task-0").remote(0.2))
+    be = ServerlessBackend()
+    be.clock = TaskClock("fracrun/", wait_s=0.5)
+    seen = Usage("p", "g", 1, 0.0, 0.0, 0.0, ran, False)
+    lost = Usage("p", "g", 2, 0.0, 0.0, 0.0, 0.5, False)  # a task of the run whose events never came
+    out = be._as_counted([seen, lost], {"fracrun/g/task-0": seen, "fracrun/g/task-1": lost}, {})
+    assert [u.measured for u in out] == [True, False] and out[1] == replace(lost, measured=False)
+    assert out[0].held_s >= ran and be.unmeasured == 1
+    assert be.held_total_s == pytest.approx(out[0].held_s + 0.5)
+    assert be.measured_frac == pytest.approx(out[0].held_s / (out[0].held_s + 0.5))
+
+
 @pytest.mark.ray
 def test_the_cost_report_holds_what_the_cluster_counted(tmp_path: Path, cluster: ModuleType) -> None:
     """Two integrals over the same run: the device slots Ray had reserved, sampled every ~10 ms by another
@@ -66,6 +120,7 @@ def test_the_cost_report_holds_what_the_cluster_counted(tmp_path: Path, cluster:
     sampled, cost = cluster.sampled_run(flow, tmp_path, "serverless", slots=2, steps=6)
     assert sampled["samples"] > 100 and sampled["most_busy"] >= 1.0  # it saw the run
     assert cost["held_s"] == pytest.approx(sampled["busy_slot_s"], rel=0.05), (cost["held_s"], sampled)
+    assert cost["measured_frac"] == 1.0 and cost["timed_s"] == 0.0  # every task's records came and were read
 
 
 @pytest.mark.ray

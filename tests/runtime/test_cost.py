@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -139,6 +140,26 @@ def test_instances_that_keep_their_models_on_the_device_are_counted_and_said() -
         '1 instance tasks kept their models on the device after giving it back (keep_warm = "device"): their '
         "processes held those devices 0.0 dev-s between tasks, counted in held dev-s (the report's own figure: the "
         "cluster counts them free)")
+
+
+def test_the_report_says_how_much_of_held_the_cluster_counted() -> None:
+    """Tasks the backend measured (their records came: `measured`) and tasks it could not (their own timers':
+    `measured` False) give `measured_s`, `timed_s` and their share, in the rows, cost.json and the table; a
+    backend that measures nothing (`measured` None) reports neither."""
+    pools = [Pool("gen", ("gen",), 1)]
+    used = [Usage("gen", "gen", 1, 0.0, 0.0, 0.0, 3.0, False, measured=True),
+            Usage("gen", "gen", 2, 0.0, 0.0, 0.0, 1.0, False, measured=False)]
+    rows = [{"step": 1, **CostMeter(pools, starting_s=0.0, clock=0.0).step([], now=5.0, usage=used)},
+            {"step": 2, **CostMeter(pools, starting_s=0.0, clock=0.0).step([], now=5.0, usage=used[:1])}]
+    assert (rows[0]["cost/measured_s"], rows[0]["cost/timed_s"], rows[0]["cost/measured_frac"]) == (3.0, 1.0, 0.75)
+    assert rows[1]["cost/measured_frac"] == 1.0
+    report = summary(rows, pools)
+    assert (report["measured_s"], report["timed_s"], report["measured_frac"]) == (6.0, 1.0, pytest.approx(6 / 7))
+    assert table(report).splitlines()[-1] == (
+        "85.7% of the instance tasks' held dev-s is the cluster's own count; the rest, tasks whose task events Ray "
+        "did not keep, is their own timers' (it misses scheduling and result transfer)")
+    plain = CostMeter(pools, starting_s=0.0, clock=0.0).step([], now=5.0, usage=[replace(used[0], measured=None)])
+    assert "cost/measured_frac" not in plain and "measured_frac" not in summary([{"step": 1, **plain}], pools)
 
 
 class Reserved:

@@ -11,8 +11,17 @@ import pytest
 import torch
 
 import flowrl
-from flowrl.backends.serverless.cache import Entry, ProcessModels, movable, move_models
-from flowrl.backends.serverless.devices import NOSET, SLOT, DeviceError, Devices, choose_device, devices_for
+from flowrl.backends.serverless.cache import Entry, ProcessModels, move_models, why_not_movable
+from flowrl.backends.serverless.devices import (
+    NOSET,
+    SLOT,
+    DeviceError,
+    Devices,
+    choose_device,
+    devices_for,
+    gpus_asked,
+    group_devices,
+)
 from flowrl.runtime.batch import Batch
 from flowrl.runtime.worker import ModelWorker
 
@@ -59,6 +68,73 @@ def test_a_task_asks_for_a_gpu_where_the_cluster_has_them_else_a_slot() -> None:
     assert Devices().asks() == {"CPU": 1.0, SLOT: 1.0} and Devices().capacity({SLOT: 4.0, "GPU": 2.0}) == 4
 
 
+def test_what_the_flow_asks_for_decides_the_device_kind_not_the_cluster_at_start() -> None:
+    """A pool's `gpu_fraction`, a model's `gpus` or the device `cuda` ask for GPUs on a cluster that has none yet
+    (an autoscaler sees those requests); asking for none, the cluster's GPUs now, else a slot."""
+    empty = {"CPU": 1.0}  # a head node, its GPU workers scaled to zero
+    assert gpus_asked("auto") == "" and gpus_asked("cpu") == ""
+    assert gpus_asked("auto", 0.5) == "gpu_fraction = 0.5" and gpus_asked("cuda:1") == 'device = "cuda:1"'
+    assert gpus_asked("auto", None, 2.0) == "a model's gpus = 2"
+    assert devices_for(empty, 0.5).asks() == {"CPU": 1.0, "GPU": 0.5}
+    assert devices_for(empty, device="cuda").asks() == {"CPU": 1.0, "GPU": 1.0}
+    assert devices_for(empty, model_gpus=1.0).resource == "GPU"
+    assert devices_for(empty).resource == SLOT and devices_for(empty, device="cpu").resource == SLOT
+    assert devices_for({"GPU": 4.0}, device="cpu").resource == "GPU"  # held as the cluster has it; run on the CPU
+
+
+def test_auto_on_a_node_with_gpus_it_was_not_given_is_an_error_never_a_silent_cpu_run() -> None:
+    with pytest.raises(DeviceError) as e:
+        choose_device("auto", [], None, node_gpus=8.0)
+    assert str(e.value) == (
+        'device "auto": this instance took a `device_slot`, not a GPU, on a node with 8 GPU(s) (the cluster had '
+        "no GPU when the run started, so its pools ask for slots): its models would run on the CPU beside them. "
+        'Ask for GPUs (`run { device = "cuda" }`, or a pool\'s `gpu_fraction`), or run on the CPU on purpose '
+        '(`run { device = "cpu" }`)')
+    assert choose_device("cpu", [], None, node_gpus=8.0) == "cpu"  # on purpose
+    assert choose_device("auto", [], None, node_gpus=0.0) == "cpu"  # a node without GPUs: the CPU is the device
+
+
+SPLIT = """model actor : policy { source = "tiny:gpt2", layers = 1, dim = 32, heads = 2, charset = "0123456789+=" }
+model ref : reference { source = actor }
+reward correct = "flowrl.rewards.arith_exact"
+data prompts = jsonl("DATA") { batch = 2 }
+use grpo(reward = correct, group = 2, max_tokens = 3, kl_coef = 0.01)
+placement {
+    pool gen { gpus = 0..2, gpu_fraction = 0.5 }
+    pool train { gpus = 1 }
+    actor.generate -> gen
+    actor.update, ref -> train
+}
+"""
+
+
+def test_a_group_asking_for_gpus_where_none_can_come_is_an_error_at_start(tmp_path: Path) -> None:
+    """A local Ray instance flowrl started has what it has: a GPU-asking pool there could never run (an error
+    located at the pool); a joined cluster may grow, so its request stands. `auto` on a joined cluster with
+    neither GPUs nor slots yet cannot say which its autoscaler should add."""
+    path = tmp_path / "split.flow"
+    path.write_text(SPLIT.replace("DATA", str(DATA)))
+    graph = flowrl.load(str(path))
+    with pytest.raises(flowrl.FlowError) as e:
+        group_devices(graph, {"CPU": 4.0, SLOT: 4.0}, "auto", joined=False)
+    assert str(e.value) == (
+        f"{path}:7:5: error: worker group `gen` asks for GPUs (gpu_fraction = 0.5), but the Ray instance flowrl "
+        "started here has none: no instance of it could ever run\n"
+        "        pool gen { gpus = 0..2, gpu_fraction = 0.5 }\n"
+        "        ^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^\n"
+        "hint: join a cluster with GPUs (--address; an autoscaling one adds them on demand), or run on the CPU: "
+        'leave GPUs out (no `gpu_fraction`, no model `gpus`) and `run { device = "cpu" }`')
+    got = group_devices(graph, {"CPU": 1.0, SLOT: 2.0}, "auto", joined=True)  # no GPU yet: gen's request stands
+    assert got["gen"].asks() == {"CPU": 1.0, "GPU": 0.5} and got["train"].asks() == {"CPU": 1.0, SLOT: 1.0}
+    with pytest.raises(flowrl.FlowError, match="cannot tell which its autoscaler should add for worker group "
+                                               "`train`"):
+        group_devices(graph, {"CPU": 1.0}, "auto", joined=True)  # train asks for nothing: GPUs or slots?
+    both = group_devices(graph, {"CPU": 1.0}, "cuda", joined=True)
+    assert {g: d.asks() for g, d in both.items()} == {"gen": {"CPU": 1.0, "GPU": 0.5},
+                                                      "train": {"CPU": 1.0, "GPU": 1.0}}
+    assert group_devices(graph, {"CPU": 1.0}, "cpu", joined=True)["train"].resource == SLOT
+
+
 def _worker() -> ModelWorker:
     graph = flowrl.compile_flow(FLOW.replace("DATA", str(DATA)), "/flows/d.flow")
     return ModelWorker((graph.model("actor"), graph.model("ref")), graph.models, seed=3, device="cpu")
@@ -86,7 +162,7 @@ def test_models_move_to_the_host_and_back_and_compute_the_same() -> None:
     """The move's code path on a machine without GPUs (CPU to CPU): the parameters stay the objects the
     optimizer holds, its state moves with them, and a trained model's numbers are unchanged."""
     w = _worker()
-    assert movable(w) == ""
+    assert why_not_movable(w) == ""
     params = [id(p) for p in w.models["actor"].module.parameters()]
     rollout = Batch(2, {"prompt_ids": torch.tensor([[3, 4], [4, 5]]), "prompt_mask": torch.ones(2, 2),
                         "response_ids": torch.tensor([[5, 6], [6, 7]]), "response_mask": torch.ones(2, 2)})

@@ -12,7 +12,8 @@ from flowrl.backends.sim.commands import versus
 from flowrl.backends.sim.costs import CostModel
 from flowrl.backends.sim.hardware import load_cluster
 from flowrl.backends.sim.plan import best, plans
-from flowrl.backends.sim.policies import Options, make
+from flowrl.backends.sim.policies import Options
+from flowrl.backends.sim.registry import make
 from flowrl.backends.sim.shapes import known
 from flowrl.backends.sim.work import flow_work
 from flowrl.backends.sim.workload import LongTail, synthetic

@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 
 import flowrl.elastic
-from flowrl.backends.sim import policies, rlhfless
+from flowrl.backends.sim import policies, registry, rlhfless
 from flowrl.backends.sim.costs import CostModel, Factors
 from flowrl.backends.sim.generation import Gen, Instance, Seq
 from flowrl.backends.sim.hardware import load_cluster
@@ -134,7 +134,7 @@ STEP = tuple(PromptWork(p, 4, (n,)) for p, n in enumerate([2, 3, 8, 1]))
 
 def test_serverful_step_is_generation_then_forwards_then_updates_on_every_device():
     cost = ToyCost(devices=2, fwd_call_s=0.1, train_call_s=0.5)
-    res = policies.make("serverful", cost, work(), policies.Options(gen_tp=1)).step(STEP)
+    res = registry.make("serverful", cost, work(), policies.Options(gen_tp=1)).step(STEP)
     # two instances, data order: [2, 3] ends at 30 ms... (15 ms a step while both run: 2 -> 30 ms, then 3rd at
     # 10 ms: 40 ms); [8, 1]: 15 ms, then 7 more at 10 ms: 85 ms. Then two forwards (0.1 s) and an update (0.5 s).
     assert res.notes["gen_s"] == pytest.approx(0.085)
@@ -146,7 +146,7 @@ def test_serverful_step_is_generation_then_forwards_then_updates_on_every_device
 
 def test_rlhfless_holds_generation_devices_only_while_instances_work():
     cost = ToyCost(devices=2, fwd_call_s=0.1, train_call_s=0.5)
-    pol = policies.make("rlhfless", cost, work(), policies.Options(gen_tp=1, cost_weight=1.0, prewarm=False))
+    pol = registry.make("rlhfless", cost, work(), policies.Options(gen_tp=1, cost_weight=1.0, prewarm=False))
     res = pol.step(STEP)
     gen = res.pools["generation"]
     spans = [s for s in res.spans if s.track == "generation instances"]
@@ -182,8 +182,8 @@ def test_rlhfless_uses_all_instances_until_it_measured_a_generation_then_the_cos
 def test_rlhfuse_moves_the_tail_and_overlaps_forwards_on_freed_devices():
     cost = ToyCost(devices=4, fwd_call_s=0.0)
     step = tuple(PromptWork(p, 4, (n,)) for p, n in enumerate([1, 1, 1, 1, 1, 1, 1, 30]))
-    base = policies.make("serverful", cost, work(), policies.Options(gen_tp=1)).step(step)
-    fused = policies.make("rlhfuse", cost, work(), policies.Options(gen_tp=1, rt=0.2)).step(step)
+    base = registry.make("serverful", cost, work(), policies.Options(gen_tp=1)).step(step)
+    fused = registry.make("rlhfuse", cost, work(), policies.Options(gen_tp=1, rt=0.2)).step(step)
     assert fused.notes["migrations"] == 0  # the tail is one sequence already alone on its instance
     assert fused.time <= base.time + 1e-12
 
