@@ -7,7 +7,10 @@ imports the module so its registrations become visible. Rewards may also be name
 from __future__ import annotations
 
 import importlib
+import importlib.machinery
 import inspect
+import os
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -58,7 +61,24 @@ class ResolveError(LookupError):
     """A dotted path or registered name that does not resolve; the message says why."""
 
 
+def _stale(module: str) -> bool:
+    """Whether `module`'s top-level package was imported from another file than the one `sys.path` finds now: two
+    flows in one process (a notebook, a test session), each with its own `my_rewards.py` next to it, must each get
+    their own, not the first one imported."""
+    top = module.partition(".")[0]
+    loaded = sys.modules.get(top)
+    if loaded is None or getattr(loaded, "__file__", None) is None:
+        return False
+    spec = importlib.machinery.PathFinder.find_spec(top, sys.path)
+    return spec is not None and spec.origin is not None and \
+        os.path.realpath(spec.origin) != os.path.realpath(str(loaded.__file__))
+
+
 def import_module(module: str) -> None:
+    if _stale(module):
+        top = module.partition(".")[0]
+        for name in [m for m in sys.modules if m == top or m.startswith(top + ".")]:
+            del sys.modules[name]
     try:
         importlib.import_module(module)
     except Exception as e:  # any import-time failure is the user's module's problem
@@ -67,7 +87,7 @@ def import_module(module: str) -> None:
 
 def resolve_reward(target: str) -> RewardFn:
     """A registered reward name, or `pkg.module.fn` (imported now so errors surface at check time)."""
-    if target in REWARDS:
+    if target in REWARDS and not ("." in target and _stale(target)):
         return REWARDS[target]
     if "." not in target:
         known = ", ".join(sorted(REWARDS)) or "none"

@@ -7,15 +7,15 @@ import signal
 import subprocess
 import sys
 from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+import flowrl
 from flowrl import run
 from flowrl.errors import ExecutionError
-from flowrl.ir.graph import Graph, frozen
+from flowrl.ir.graph import Graph
 
 pytestmark = [pytest.mark.ray, pytest.mark.usefixtures("ray_session")]
 ROOT = Path(__file__).resolve().parents[2]
@@ -32,18 +32,20 @@ def test_one_rank_per_group_gives_the_local_metrics(algo: str, tiny: Callable[..
 
 
 def test_a_worker_exception_reaches_the_user_as_itself_with_the_worker_traceback(
-        tiny: Callable[..., Graph], tmp_path: Path) -> None:
-    # positions past `context` fail inside the worker's model; `flowrl check` rejects such a flow, so the graph is
-    # made past the checks: the actor's context cut to 4 after compiling
-    good = tiny(steps=1, max_tokens=8)
-    bad = replace(good, models=tuple(replace(m, config=frozen({**m.config, "context": 4}))
-                                     if m.name == "actor" else m for m in good.models))
+        flow_text: Callable[..., str], tmp_path: Path) -> None:
+    # positions past `context` fail inside the worker's model. A policy's prompts are cut to its context before the
+    # run (flowrl.runtime.overlong), so the short context is the critic's: its values read prompt + response.
+    text = flow_text(algo="ppo", steps=1, max_tokens=8).replace(
+        "model critic : critic { source = actor, lr = 1e-3 }",
+        'model critic : critic { source = "tiny:gpt2", layers = 1, dim = 32, heads = 2, context = 4, '
+        'charset = "0123456789+=", lr = 1e-3 }')
+    assert "context = 4" in text
     with pytest.raises(ExecutionError) as info:
-        run(bad, out_dir=tmp_path, backend="ray")
+        run(flowrl.compile_flow(text, "/flows/short_critic.flow"), out_dir=tmp_path, backend="ray")
     text = str(info.value)
-    assert "while executing rollout = actor.generate(" in text
+    assert "while executing values = critic.values(rollout)" in text
     assert "IndexError: index out of range in self" in text
-    assert "--- in worker group colocated, rank 0, generate ---" in text
+    assert "--- in worker group colocated, rank 0, " in text
     assert 'flowrl/runtime/worker.py", line' in text  # the worker's own frames
     assert "RayTaskError" not in text and "ray/_private" not in text
     assert isinstance(info.value.__cause__, IndexError)
