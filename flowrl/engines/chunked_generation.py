@@ -34,7 +34,7 @@ from flowrl.engines.generation import (
     prefill_prompts,
 )
 from flowrl.engines.prefill import Prefixes
-from flowrl.engines.sampling import Sampler, row_keys, sampling_seed, slots_of
+from flowrl.engines.sampling import Draws, Sampler, Sampling, row_keys, sampling_seed, slots_of
 from flowrl.models.build import cache_kw
 from flowrl.models.tokenizer import Tokenizer
 
@@ -47,14 +47,6 @@ class StreamControl(Protocol):
     def progress(self, remaining: int) -> None: ...
 
     def should_export(self) -> bool: ...
-
-
-@dataclass(frozen=True)
-class Sampling:
-    max_tokens: int
-    min_tokens: int = 0
-    temperature: float = 1.0
-    top_p: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -102,6 +94,8 @@ class _Decoder:
         self.samples, self.prompt_ids, self.prompt_mask = samples, prompt_ids, prompt_mask  # per local slot
         self.out_ids, self.out_lp, self.out_mask = out  # (S, max_tokens) per local slot
         self.keys = keys  # (S, 2) per local slot: its random-stream key
+        self.draws: Draws | None = None  # the rows' uniforms from their steps at the first sample (and `clock`)
+        self.clock = 0
         self.ours = True
         self.cache: object = None
         self.logits: Tensor | None = None  # (R, V) scores of the next token, None before the first forward
@@ -113,7 +107,13 @@ class _Decoder:
     def sample_step(self) -> list[int]:
         """Sample every live row's next token; returns the local slots that finished at this step."""
         assert self.logits is not None
-        tok, lp = self.sampler(self.logits, self.t_row, self.keys[self.rows])
+        u = None
+        if self.s.temperature > 0:
+            if self.draws is None:  # every row samples once per forward: `length` counts the steps since
+                self.draws = Draws(self.keys[self.rows], self.t_row, block=min(32, self.s.max_tokens))
+                self.clock = self.length
+            u = self.draws.at(self.length - self.clock)
+        tok, lp = self.sampler.sample(self.logits, self.t_row, u)
         was_done = self.done
         tok = tok.masked_fill(was_done, self.pad)
         # Finished rows keep the buffers' initial pad / 0 (and may be past max_tokens in a resumed batch).
@@ -149,6 +149,8 @@ class _Decoder:
             setattr(self, name, getattr(self, name)[keep])
         if self.logits is not None:
             self.logits = self.logits[keep]
+        if self.draws is not None:
+            self.draws.select(keep)
 
     # -- hand-offs -----------------------------------------------------------------------------------
     @property

@@ -45,12 +45,15 @@ import os
 import socket
 import sys
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
 
-from flowrl.engines.training import MB, LossFn, accumulate, reduce_metrics
+from flowrl.engines.training import MB, AdamWEngine, AdamWOptions, LossFn
+
+if TYPE_CHECKING:  # annotations only (typing.Unpack is 3.11+; typing_extensions comes with torch)
+    from typing_extensions import Unpack
 
 __all__ = ["INSTALL_HINT", "DeepSpeedTrainEngine", "import_deepspeed"]
 
@@ -80,35 +83,19 @@ def import_deepspeed() -> Any:
     return deepspeed
 
 
-class DeepSpeedTrainEngine:
+class DeepSpeedTrainEngine(AdamWEngine):
     """Owns the DeepSpeed engine (and optimizer) of one trainable module; same interface as TrainEngine."""
 
-    def __init__(
-        self,
-        module: nn.Module,
-        *,
-        lr: float,
-        weight_decay: float = 0.0,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        max_grad_norm: float | None = 1.0,
-        zero_stage: int = 0,
-        offload: bool = False,
-    ) -> None:
+    def __init__(self, module: nn.Module, *, lr: float, zero_stage: int = 0, offload: bool = False,
+                 **optimizer: Unpack[AdamWOptions]) -> None:
         if zero_stage not in ZERO_STAGES:
             raise ValueError(f"zero_stage must be one of {ZERO_STAGES}, got {zero_stage}")
         if offload and zero_stage == 0:
             raise ValueError("offload needs ZeRO stage 1, 2 or 3 (it moves the optimizer state ZeRO partitions)")
         deepspeed = import_deepspeed()
-        self.module = module
-        self.params = [p for p in module.parameters() if p.requires_grad]
-        if not self.params:
-            raise ValueError("DeepSpeedTrainEngine: the module has no trainable parameters (is it a frozen reference?)")
+        # The client optimizer: its param_groups are the ones ZeRO steps, so lr lives there at every stage.
+        super().__init__(module, lr=lr, **optimizer)
         self.zero_stage = zero_stage
-        self.max_grad_norm = max_grad_norm
-        self.steps = 0
-        # The client optimizer: its param_groups are the ones ZeRO steps, so lr lives here at every stage.
-        self.optimizer = torch.optim.AdamW(self.params, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps)
         self._norm: float | None = None  # set by the stage-0 hook during engine.step()
         if zero_stage == 0:
             self.optimizer.register_step_pre_hook(self._clip_or_skip)
@@ -117,37 +104,26 @@ class DeepSpeedTrainEngine:
         # and gradients are SUMMED over ranks. DeepSpeed sums when asked, except at ZeRO-3, which only averages:
         # there the loss is multiplied by the world size so the average is the sum.
         self._loss_factor = float(world) if zero_stage == 3 else 1.0
-        config = _config(zero_stage, offload, max_grad_norm, _dtype(module))
+        config = _config(zero_stage, offload, self.max_grad_norm, _dtype(module))
         self.forward_module, _, _, _ = deepspeed.initialize(model=module, optimizer=self.optimizer, config=config)
-
-    @property
-    def lr(self) -> float:
-        return float(self.optimizer.param_groups[0]["lr"])
-
-    def set_lr(self, lr: float) -> None:
-        """Set the learning rate of every param group (schedules live outside the engine)."""
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
 
     def set_max_grad_norm(self, bound: float | None) -> None:
         """Clip the gradient norm to `bound` from the next step on (None or <= 0: measure it only). Stage 0 clips
         in its pre-step hook, which reads `max_grad_norm`; ZeRO 1-3 optimizers read their `clip_grad` at each
         step (DeepSpeed took the initial value from the config's `gradient_clipping`)."""
-        self.max_grad_norm = bound
+        super().set_max_grad_norm(bound)
         if self.zero_stage > 0:
             self.forward_module.optimizer.clip_grad = float(bound) if bound and bound > 0 else 0.0
 
     def step(self, micro_batches: Sequence[MB], loss_fn: LossFn[MB]) -> dict[str, float]:
-        """Accumulate gradients over `micro_batches`, clip, update; returns the metrics (`reduce_metrics`) + loss/grad_norm/lr."""
-        if not micro_batches:
-            raise ValueError("DeepSpeedTrainEngine.step needs at least one micro-batch")
+        """Accumulate gradients over `micro_batches`, clip, update; returns `step_metrics`."""
         engine = self.forward_module
 
         def backward(loss: Tensor) -> None:
             # The caller already scaled the loss (micro losses sum to the mini-batch loss): no 1/gas here.
             engine.backward(loss * self._loss_factor if self._loss_factor != 1.0 else loss, scale_wrt_gas=False)
 
-        total_loss, seen = accumulate(micro_batches, loss_fn, backward)
+        total_loss, seen = self.accumulate_all(micro_batches, loss_fn, backward)
         skipped_before = int(engine.skipped_steps)
         self._norm = None
         engine.step()
@@ -160,9 +136,7 @@ class DeepSpeedTrainEngine:
             skipped = int(engine.skipped_steps) > skipped_before
         if not skipped:
             self.steps += 1
-        out = reduce_metrics(seen)
-        out.update(loss=total_loss, grad_norm=grad_norm, lr=self.lr, skipped=float(skipped))
-        return out
+        return self.step_metrics(seen, total_loss, grad_norm, skipped)
 
     def _clip_or_skip(self, optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
         """Stage 0: runs inside engine.step() after gradients are all-reduced, right before AdamW.step()."""

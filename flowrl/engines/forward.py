@@ -9,12 +9,18 @@ from the padding mask (left-padded prompts, right-padded responses), and returns
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, TypedDict
 
 import torch
 from torch import Tensor, nn
 
+if TYPE_CHECKING:  # annotations only (typing.Unpack is 3.11+; typing_extensions comes with torch)
+    from typing_extensions import Unpack
+
 __all__ = [
+    "ChunkOptions",
+    "ForwardOptions",
     "forward_entropy",
     "forward_logprobs",
     "forward_logprobs_entropy",
@@ -28,108 +34,77 @@ def positions_from_mask(mask: Tensor) -> Tensor:
     return (mask.long().cumsum(-1) - 1).clamp_(min=0)
 
 
-def forward_logprobs(
-    module: nn.Module,
-    prompt_ids: Tensor,
-    prompt_mask: Tensor,
-    response_ids: Tensor,
-    response_mask: Tensor,
-    *,
-    temperature: float = 1.0,
-    micro_batch: int = 0,
-    with_grad: bool = False,
-) -> Tensor:
-    """(B, T) log-prob of each response token under softmax(logits / temperature); 0 where masked.
+class ChunkOptions(TypedDict, total=False):
+    """How a forward here runs: `micro_batch` rows at a time (0: all at once, the default), `with_grad` keeping
+    the autograd graph (training; default False: inference mode)."""
 
-    `temperature <= 0` (greedy rollouts) scores under the untempered distribution, matching `generate`.
-    """
-
-    def score(logits: Tensor, targets: Tensor) -> list[Tensor]:
-        return [token_logprobs(logits, targets)]
-
-    return _run_lm(module, prompt_ids, prompt_mask, response_ids, response_mask,
-                   temperature, micro_batch, with_grad, score)[0]  # fmt: skip
+    micro_batch: int
+    with_grad: bool
 
 
-def forward_entropy(
-    module: nn.Module,
-    prompt_ids: Tensor,
-    prompt_mask: Tensor,
-    response_ids: Tensor,
-    response_mask: Tensor,
-    *,
-    temperature: float = 1.0,
-    micro_batch: int = 0,
-    with_grad: bool = False,
-) -> Tensor:
+class ForwardOptions(ChunkOptions, total=False):
+    """A language model's forward: scores under softmax(logits / `temperature`) (default 1.0; `temperature <= 0`,
+    greedy rollouts, scores under the untempered distribution, matching `generate`)."""
+
+    temperature: float
+
+
+Score = Callable[[Tensor, Tensor], Tensor]  # (b, T, V) logits, (b, T) targets -> (b, T)
+
+
+def forward_logprobs(module: nn.Module, *batch: Tensor, **options: Unpack[ForwardOptions]) -> Tensor:
+    """(B, T) log-prob of each response token under softmax(logits / temperature); 0 where masked. `batch`: the
+    rollout's (prompt_ids, prompt_mask, response_ids, response_mask), as every forward here takes it."""
+    return _run_lm(module, batch, options, [token_logprobs])[0]
+
+
+def forward_entropy(module: nn.Module, *batch: Tensor, **options: Unpack[ForwardOptions]) -> Tensor:
     """(B, T) entropy of the next-token distribution at each response position; 0 where masked."""
-
-    def score(logits: Tensor, targets: Tensor) -> list[Tensor]:
-        return [token_entropy(logits)]
-
-    return _run_lm(module, prompt_ids, prompt_mask, response_ids, response_mask,
-                   temperature, micro_batch, with_grad, score)[0]  # fmt: skip
+    return _run_lm(module, batch, options, [_entropy])[0]
 
 
-def forward_logprobs_entropy(
-    module: nn.Module,
-    prompt_ids: Tensor,
-    prompt_mask: Tensor,
-    response_ids: Tensor,
-    response_mask: Tensor,
-    *,
-    temperature: float = 1.0,
-    micro_batch: int = 0,
-    with_grad: bool = False,
-) -> tuple[Tensor, Tensor]:
+def forward_logprobs_entropy(module: nn.Module, *batch: Tensor,
+                             **options: Unpack[ForwardOptions]) -> tuple[Tensor, Tensor]:
     """Both (B, T) log-probs and entropies from a single forward (what a PPO loss with entropy bonus needs)."""
-
-    def score(logits: Tensor, targets: Tensor) -> list[Tensor]:
-        return [token_logprobs(logits, targets), token_entropy(logits)]
-
-    logprobs, entropy = _run_lm(module, prompt_ids, prompt_mask, response_ids, response_mask,
-                                temperature, micro_batch, with_grad, score)  # fmt: skip
+    logprobs, entropy = _run_lm(module, batch, options, [token_logprobs, _entropy])
     return logprobs, entropy
 
 
-def forward_values(
-    value_module: nn.Module,
-    prompt_ids: Tensor,
-    prompt_mask: Tensor,
-    response_ids: Tensor,
-    response_mask: Tensor,
-    *,
-    micro_batch: int = 0,
-    with_grad: bool = False,
-) -> Tensor:
+def forward_values(value_module: nn.Module, *batch: Tensor, **options: Unpack[ChunkOptions]) -> Tensor:
     """(B, T) critic values; value t is read at the hidden state that predicts response token t (verl)."""
-    width = prompt_ids.shape[1]
-    length = response_ids.shape[1]
+    rollout = _rollout(batch, options, ChunkOptions)
+    width, length = rollout[0].shape[1], rollout[2].shape[1]
     outs: list[Tensor] = []
-    with _grad_mode(with_grad):
-        for ids, attn, pos, resp_mask in _chunks(prompt_ids, prompt_mask, response_ids, response_mask, micro_batch):
+    with _grad_mode(options.get("with_grad", False)):
+        for ids, attn, pos, resp_mask in _chunks(*rollout, options.get("micro_batch", 0)):
             values = value_module(input_ids=ids, attention_mask=attn, position_ids=pos)  # (b, P + T)
             values = values[:, width - 1 : width - 1 + length].float()  # (b, T)
             outs.append(values * resp_mask)
     return torch.cat(outs, dim=0)
 
 
-def _run_lm(
-    module: nn.Module,
-    prompt_ids: Tensor,
-    prompt_mask: Tensor,
-    response_ids: Tensor,
-    response_mask: Tensor,
-    temperature: float,
-    micro_batch: int,
-    with_grad: bool,
-    score: Callable[[Tensor, Tensor], list[Tensor]],
-) -> list[Tensor]:
-    length = response_ids.shape[1]
+def _rollout(batch: tuple[Tensor, ...], options: Mapping[str, object],
+             allowed: type = ForwardOptions) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The four tensors of `batch`, after checking them and the keywords (what a signature would have checked)."""
+    if len(batch) != 4:
+        raise TypeError(f"a forward takes (prompt_ids, prompt_mask, response_ids, response_mask), got {len(batch)} "
+                        "tensors")
+    keys = allowed.__required_keys__ | allowed.__optional_keys__  # type: ignore[attr-defined]
+    unknown = sorted(set(options) - keys)
+    if unknown:
+        raise TypeError(f"unexpected keyword {unknown[0]!r}; this forward takes {sorted(keys)}")
+    return batch[0], batch[1], batch[2], batch[3]
+
+
+def _run_lm(module: nn.Module, batch: tuple[Tensor, ...], options: ForwardOptions,
+            scores: Sequence[Score]) -> list[Tensor]:
+    rollout = _rollout(batch, options)
+    length = rollout[2].shape[1]
+    temperature = options.get("temperature", 1.0)
     scale = 1.0 / temperature if temperature > 0 else 1.0
     parts: list[list[Tensor]] = []
-    with _grad_mode(with_grad):
-        for ids, attn, pos, resp_mask in _chunks(prompt_ids, prompt_mask, response_ids, response_mask, micro_batch):
+    with _grad_mode(options.get("with_grad", False)):
+        for ids, attn, pos, resp_mask in _chunks(*rollout, options.get("micro_batch", 0)):
             # Only the last T + 1 positions reach the LM head: the prompt's logits are never needed.
             out = module(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=False,
                          logits_to_keep=length + 1)  # fmt: skip
@@ -137,7 +112,7 @@ def _run_lm(
             if scale != 1.0:
                 logits = logits * scale
             targets = ids[:, -length:] * resp_mask  # (b, T); pads -> id 0 so gather stays in range
-            parts.append([s * resp_mask for s in score(logits, targets)])
+            parts.append([score(logits, targets) * resp_mask for score in scores])
     return [torch.cat(column, dim=0) for column in zip(*parts, strict=True)]
 
 
@@ -145,6 +120,10 @@ def token_logprobs(logits: Tensor, targets: Tensor) -> Tensor:
     # gather - logsumexp avoids materialising a second (b, T, V) log_softmax tensor.
     picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # (b, T)
     return picked - torch.logsumexp(logits, dim=-1)
+
+
+def _entropy(logits: Tensor, _targets: Tensor) -> Tensor:
+    return token_entropy(logits)
 
 
 def token_entropy(logits: Tensor) -> Tensor:

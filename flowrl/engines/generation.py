@@ -31,7 +31,7 @@ from flowrl.engines.forward import (
 )
 from flowrl.engines.prefill import Prefixes, expand, left_pad, match, supports_levels
 from flowrl.engines.prefill import positions as level_positions
-from flowrl.engines.sampling import Sampler, row_keys, sampling_seed, slots_of
+from flowrl.engines.sampling import Draws, Sampler, row_keys, sampling_seed, slots_of
 from flowrl.models.attention import SharedPrefix, reads_shared_prefix
 from flowrl.models.build import cache_kw
 from flowrl.models.tokenizer import Tokenizer
@@ -90,6 +90,8 @@ def generate(
     full_prompt_mask = mask.repeat_interleave(n, dim=0)  # (N, P)
     sampler = Sampler(temperature, top_p, min_tokens, eos)
     keys = row_keys(sampling_seed(seed, generator), slots_of(prompt_slots, batch), n, dev)  # (N, 2)
+    # each row's uniforms, hashed a block of steps at a time (greedy draws none)
+    draws = Draws(keys, block=min(32, max_tokens)) if temperature > 0 else None
 
     out_ids = torch.full((rows, max_tokens), pad, dtype=torch.long, device=dev)
     out_mask = torch.zeros((rows, max_tokens), dtype=torch.long, device=dev)
@@ -106,16 +108,20 @@ def generate(
         kv = cache_kw(module, cache)  # the same cache, updated in place, for every step
         # Generated slots always attend (finished rows are never read), so the mask is built once and sliced.
         attn = torch.cat([pre.mask, torch.ones_like(out_mask)], dim=1)  # (N, W + max_tokens)
+        remaining = rows  # rows of the batch still decoding
         for t in range(max_tokens):
-            tok, lp = sampler(logits, t, keys)  # (rows_now,)
-            alive = ~done
-            tok = tok.masked_fill(done, pad)
+            tok, lp = sampler.sample(logits, t, None if draws is None else draws.at(t))  # (rows_now,)
             target = slice(None) if live is None else live
+            if remaining < done.shape[0]:  # rows finished earlier keep pad / 0 / 0 (until they are dropped)
+                tok, lp = tok.masked_fill(done, pad), lp.masked_fill(done, 0.0)
+                out_mask[target, t] = (~done).long()
+            else:
+                out_mask[target, t] = 1
             out_ids[target, t] = tok
-            out_lp[target, t] = lp.masked_fill(done, 0.0)
-            out_mask[target, t] = alive.long()
-            done = done | (tok == eos)
-            remaining = int((~done).sum())  # the one host sync per step
+            out_lp[target, t] = lp
+            if t >= min_tokens:  # before, EOS is banned (probability 0, never sampled): no row can finish
+                done = done | (tok == eos)
+                remaining = int((~done).sum())  # the one host sync per step
             if remaining == 0 or t == max_tokens - 1:
                 break
             if ours and remaining <= done.shape[0] // 2:
@@ -123,7 +129,9 @@ def generate(
                 keep = (~done).nonzero().squeeze(1)
                 cache.batch_select_indices(keep)
                 live = keep if live is None else live[keep]
-                done, tok, attn, next_pos, keys = done[keep], tok[keep], attn[keep], next_pos[keep], keys[keep]
+                done, tok, attn, next_pos = done[keep], tok[keep], attn[keep], next_pos[keep]
+                if draws is not None:
+                    draws.select(keep)
             out = module(input_ids=tok[:, None], attention_mask=attn[:, : width + t + 1],
                          position_ids=next_pos + t, use_cache=True, **kv)  # fmt: skip
             logits = out.logits[:, -1].float()  # (rows_now, V)

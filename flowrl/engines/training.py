@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import Any, TypedDict, TypeVar
 
 import torch
 from torch import Tensor, nn
 
-__all__ = ["SHARES", "LossFn", "TrainEngine", "accumulate", "all_reduce_sum", "data_parallel_world", "merge_ranks", "reduce_metrics"]
+__all__ = ["SHARES", "AdamWEngine", "AdamWOptions", "LossFn", "TrainEngine", "accumulate", "all_reduce_sum",
+           "data_parallel_world", "merge_ranks", "reduce_metrics"]
 
 MB = TypeVar("MB")
 LossFn = Callable[[MB], tuple[Tensor, dict[str, float]]]
@@ -63,26 +64,31 @@ def merge_ranks(results: Sequence[Mapping[str, float]], tokens: Sequence[float])
             sum(float(r[key]) * t for r, t in zip(results, tokens, strict=True)) / total for key in results[0]}
 
 
-class TrainEngine:
-    """Owns the optimizer of one trainable module (policy or critic)."""
+class AdamWOptions(TypedDict, total=False):
+    """The optimizer keywords of a training engine (`AdamWEngine`): AdamW's and the clipping bound."""
 
-    def __init__(
-        self,
-        module: nn.Module,
-        *,
-        lr: float,
-        weight_decay: float = 0.0,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        max_grad_norm: float | None = 1.0,
-    ) -> None:
+    weight_decay: float
+    betas: tuple[float, float]
+    eps: float
+    max_grad_norm: float | None
+
+
+class AdamWEngine:
+    """The AdamW optimizer of one trainable module, what a caller sets between steps (learning rate, clipping
+    bound) and the metrics a step returns: shared by `TrainEngine` and `DeepSpeedTrainEngine` (whose ZeRO steps
+    the same client AdamW, so lr lives in its param groups at every stage)."""
+
+    def __init__(self, module: nn.Module, *, lr: float, weight_decay: float = 0.0,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 max_grad_norm: float | None = 1.0) -> None:
         self.module = module
         self.params = [p for p in module.parameters() if p.requires_grad]
         if not self.params:
-            raise ValueError("TrainEngine: the module has no trainable parameters (is it a frozen reference?)")
+            raise ValueError(f"{type(self).__name__}: the module has no trainable parameters (is it a frozen "
+                             "reference?)")
         self.max_grad_norm = max_grad_norm
         self.optimizer = torch.optim.AdamW(self.params, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps)
-        self.steps = 0
+        self.steps = 0  # optimizer steps taken (skipped ones not counted)
 
     @property
     def lr(self) -> float:
@@ -97,12 +103,28 @@ class TrainEngine:
         """Clip the gradient norm to `bound` from the next step on (None or <= 0: measure it only)."""
         self.max_grad_norm = bound
 
-    def step(self, micro_batches: Sequence[MB], loss_fn: LossFn[MB]) -> dict[str, float]:
-        """Accumulate gradients over `micro_batches`, clip, update; returns the metrics (`reduce_metrics`) + loss/grad_norm/lr."""
+    def accumulate_all(self, micro_batches: Sequence[MB], loss_fn: LossFn[MB],
+                   backward: Callable[[Tensor], None]) -> tuple[float, list[dict[str, float]]]:
+        """`accumulate` for this engine's `step`, which needs at least one micro-batch."""
         if not micro_batches:
-            raise ValueError("TrainEngine.step needs at least one micro-batch")
+            raise ValueError(f"{type(self).__name__}.step needs at least one micro-batch")
+        return accumulate(micro_batches, loss_fn, backward)
+
+    def step_metrics(self, seen: Sequence[Mapping[str, float]], loss: float, grad_norm: float,
+                     skipped: bool) -> dict[str, float]:
+        """What `step` returns: the micro-batches' metrics (`reduce_metrics`) and loss, grad_norm, lr, skipped."""
+        out = reduce_metrics(seen)
+        out.update(loss=loss, grad_norm=grad_norm, lr=self.lr, skipped=float(skipped))
+        return out
+
+
+class TrainEngine(AdamWEngine):
+    """Owns the optimizer of one trainable module (policy or critic); built as `AdamWEngine`."""
+
+    def step(self, micro_batches: Sequence[MB], loss_fn: LossFn[MB]) -> dict[str, float]:
+        """Accumulate gradients over `micro_batches`, clip, update; returns `step_metrics`."""
         self.optimizer.zero_grad(set_to_none=True)
-        total_loss, seen = accumulate(micro_batches, loss_fn, lambda loss: loss.backward())
+        total_loss, seen = self.accumulate_all(micro_batches, loss_fn, lambda loss: loss.backward())
         if data_parallel_world() > 1:
             self._all_reduce_grads()
         # clip_grad_norm_ with an infinite bound only measures the norm.
@@ -113,9 +135,7 @@ class TrainEngine:
             self.optimizer.step()
             self.steps += 1
         self.optimizer.zero_grad(set_to_none=True)
-        out = reduce_metrics(seen)
-        out.update(loss=total_loss, grad_norm=grad_norm, lr=self.lr, skipped=float(skipped))
-        return out
+        return self.step_metrics(seen, total_loss, grad_norm, skipped)
 
     # ---- data parallel (only with torch.distributed initialised and world > 1) ----------------------
     def _all_reduce_grads(self) -> None:

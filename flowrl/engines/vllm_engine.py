@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from flowrl.engines.generation import GenOutput, check_sampling_args
-from flowrl.engines.sampling import request_seed, slots_of
+from flowrl.engines.sampling import Sampling, request_seed, slots_of
 from flowrl.models.tokenizer import Tokenizer
 
 __all__ = ["INSTALL_HINT", "VLLMGenerator", "WeightLoaderExtension", "import_vllm", "request_seeds", "to_gen_output"]
@@ -58,7 +58,8 @@ class WeightLoaderExtension:
 
 
 class VLLMGenerator:
-    """One vLLM `LLM` for one policy; `generate` has the torch engine's contract, `load_weights` syncs it."""
+    """One vLLM `LLM` for one policy; `generate` has the torch engine's contract (the settings as one `Sampling`,
+    as the streaming torch engine takes them), `load_weights` syncs it."""
 
     def __init__(
         self,
@@ -85,30 +86,22 @@ class VLLMGenerator:
             worker_extension_cls=f"{__name__}.WeightLoaderExtension",
         )  # fmt: skip
 
-    def generate(
-        self,
-        prompts: Sequence[Sequence[int]],
-        *,
-        n: int = 1,
-        max_tokens: int,
-        min_tokens: int = 0,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        seed: int | None = None,
-        prompt_slots: Sequence[int] | None = None,
-    ) -> GenOutput:
-        """Sample `n` responses per prompt (temperature 0 is greedy); rows are prompt 0's n samples, then 1's...
-        Prompt i's request is seeded from (`seed`, `prompt_slots[i]`) (slots default to 0..B-1)."""
-        check_sampling_args(prompts, n, max_tokens, min_tokens, temperature, top_p)
+    def generate(self, prompts: Sequence[Sequence[int]], *, n: int = 1, sampling: Sampling, seed: int | None = None,
+                 prompt_slots: Sequence[int] | None = None) -> GenOutput:
+        """Sample `n` responses per prompt with `sampling`'s settings (temperature 0 is greedy); rows are prompt
+        0's n samples, then 1's... Prompt i's request is seeded from (`seed`, `prompt_slots[i]`) (slots default
+        to 0..B-1)."""
+        s = sampling
+        check_sampling_args(prompts, n, s.max_tokens, s.min_tokens, s.temperature, s.top_p)
         eos = self.tokenizer.eos_id
         # One SamplingParams per prompt so equal prompts in a batch still draw different samples.
         seeds = request_seeds(seed, prompt_slots, len(prompts))
         params = [
             self._sampling_params(
-                n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens, min_tokens=min_tokens,
-                logprobs=0, seed=s, detokenize=False, stop_token_ids=[eos] if eos is not None else None,
+                n=n, temperature=s.temperature, top_p=s.top_p, max_tokens=s.max_tokens, min_tokens=s.min_tokens,
+                logprobs=0, seed=seed_i, detokenize=False, stop_token_ids=[eos] if eos is not None else None,
             )
-            for s in seeds
+            for seed_i in seeds
         ]  # fmt: skip
         requests = [{"prompt_token_ids": [int(t) for t in p]} for p in prompts]
         outputs = self.llm.generate(requests, params, use_tqdm=False)

@@ -107,9 +107,8 @@ class ModelWorker:
             return env_generate(loaded.module, tok, ids, prompts, attrs, self.envs.get(spec), step_seed=step_seed,
                                 slots=slots, device=str(self.device))
         if model in self.generators:  # engine = "vllm"
-            out = self.generators[model].generate(
-                ids, n=a.n, max_tokens=a.max_tokens, min_tokens=a.min_tokens, temperature=a.temperature,
-                top_p=a.top_p, seed=step_seed, prompt_slots=slots)
+            out = self.generators[model].generate(ids, n=a.n, sampling=sampling_of(a), seed=step_seed,
+                                                  prompt_slots=slots)
         else:
             out = generate(
                 loaded.module, tok, ids, n=a.n, max_tokens=a.max_tokens, min_tokens=a.min_tokens,
