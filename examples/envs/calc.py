@@ -19,17 +19,18 @@ context, against the prompt's operand digits, which say nothing certain about th
 The tool reads the question from the row (its `question` column), not from the call's arguments: what is learnt is
 *when* to call and to copy the answer, not to copy the question into the call (copying five more characters exactly,
 with a reward that only sees the final answer, does not learn in the examples' five-minute budget), so the call's
-arguments are accepted and ignored. The reward adds `CALL_BONUS` for a call (capped at 1): without it the policy
-stops calling the tool before it has learnt to use it (see `final_answer`).
+arguments are accepted and ignored. The reward adds `CALL_BONUS` for a real call, one whose observation came back
+(capped at 1): without it the policy stops calling the tool before it has learnt to use it (see `final_answer`).
 """
 
 from __future__ import annotations
 
 import re
 
-__all__ = ["CALL_BONUS", "END_OBS", "REPEAT", "calc", "evaluate", "final_answer", "grade"]
+__all__ = ["CALL", "CALL_BONUS", "END_OBS", "REPEAT", "calc", "evaluate", "final_answer", "grade", "observed_call"]
 
-END_OBS = ";"  # closes every observation: the final answer is the text after the last one
+CALL = "("  # the flow's `call` marker
+END_OBS = ";"  # closes every observation (and each of its `REPEAT` answers)
 CALL_BONUS = 0.2  # reward for having called the tool (see `final_answer`)
 REPEAT = 3  # how many times an observation shows the answer (see above)
 # Bounded ASCII operands: no 10**10**10 from a policy, and no "٣" (a digit to \d and int()).
@@ -67,18 +68,36 @@ def grade(answer_text: str, answer: object) -> float:
     return 0.8 * min(same, len(target) - 1) / len(target)
 
 
-def final_answer(prompt: str, response: str, answer: object = None, **_: object) -> float:
-    """The reward: `grade` of the text after the last observation (the whole response when the tool was not
-    called, as in examples/calc_notool.flow), plus `CALL_BONUS` when the tool was called and an answer follows
-    (calling again instead of answering leaves nothing after the last observation: no bonus), at most 1.
+def observed_call(response: str, question: str = "") -> tuple[bool, str]:
+    """Whether `response` holds a real tool call, and its final answer.
+
+    A real call is a call marker `(` followed (after the call's arguments) by the tool's own observation for this
+    row, `calc(question=question)`: text only the tool writes here, since the policy's turns are 2 tokens and the
+    observation 9 characters, and writing it would take the answer itself. The final answer is the text after
+    the last such observation, or the whole response when there is none: a `;` the policy writes is part of its
+    answer, never the end of an observation (`;9` is the answer `;9`, no call).
+    """
+    shown = calc("", question=question)
+    at = response.rfind(shown)
+    if at < 0 or CALL not in response[:at]:
+        return False, response
+    return True, response[at + len(shown):]
+
+
+def final_answer(prompt: str, response: str, answer: object = None, question: str = "", **_: object) -> float:
+    """The reward: `grade` of the final answer (`observed_call`: the text after the tool's observation, the whole
+    response without a real call, as in examples/calc_notool.flow), plus `CALL_BONUS` for a real call followed by
+    an answer (calling again instead of answering leaves nothing after the last observation: no bonus), at most 1.
 
     Why the bonus: at first a call is rare (~8% of trajectories) and its answer is as random as a direct one, while
     a direct answer's partial credit comes a turn sooner; without it the policy stopped calling the tool within 15
     steps (tool calls 0.08 -> 0.01), the collapse verl #1569 reports (where a +0.1 call reward mended it). An exact
     answer scores 1 with or without the call, so the bonus never makes a wrong answer beat a right one; a bonus for
-    any call was taken by calling in every turn (tool calls 1.2 of 2 turns, reward stuck at the bonus)."""
+    any call was taken by calling in every turn (tool calls 1.2 of 2 turns, reward stuck at the bonus), and a bonus
+    for any `;` (the observation's end) by writing `;` without calling: the no-tool flow's policy learnt `;9`
+    (0.6) on every prompt, hence a real call only."""
     if answer is None:
         return 0.0
-    final = response.rsplit(END_OBS, 1)[-1]
-    bonus = CALL_BONUS if END_OBS in response and final.strip() else 0.0
+    called, final = observed_call(response, question)
+    bonus = CALL_BONUS if called and final.strip() else 0.0
     return min(1.0, grade(final, answer) + bonus)

@@ -1,10 +1,11 @@
 """`math_equal` (flowrl.rewards): 1.0 when a response's final answer equals the row's `answer` (or verl's
 `ground_truth`), mathematically.
 
-Answer extraction and equivalence are the `math-verify` package's (what open-r1 and TRL's math rewards use):
-`\\boxed{...}` first, else the last number or expression in the response; `\\frac{1}{2}`, `1/2` and `0.5` are
-equal, `1,000` is `1000`, LaTeX and plain text compare alike. A response with no answer, or that cannot be
-parsed, scores 0.0; it never raises.
+Parsing and equivalence are the `math-verify` package's (what open-r1 and TRL's math rewards use): `\\frac{1}{2}`,
+`1/2` and `0.5` are equal, `1,000` is `1000`, LaTeX and plain text compare alike. Which answer is compared is
+`flowrl.rewards.math_answers`'s: the gold answer read whole (`(1, 2)` is a pair, not the number 2; `y = 2x + 3`
+an equation, `3\\sqrt{2}` a product), and the response's one answer (`\\boxed{...}` first, else the math at
+the end of its last line). A response with no answer, or that cannot be parsed, scores 0.0; it never raises.
 
 Grading runs in a warm helper process (`flowrl.rewards.bounded`), never in the caller: a call has a hard limit of
 `TIMEOUT_S` seconds on whatever thread it is made (an asynchronous run scores inline rewards on its rollout
@@ -18,30 +19,31 @@ which the limit does not count.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from flowrl.registry import reward
 from flowrl.rewards.bounded import Helpers
 
 TIMEOUT_S = 5.0
 SOFT_S = 2
 MEMORY_BYTES = 4 << 30
+ANSWERS = Path(__file__).with_name("math_answers.py")  # what a gold answer and a response's answer are
 
 GRADER = f"""
-import json, resource, sys
+import importlib.util, json, resource, sys
 resource.setrlimit(resource.RLIMIT_AS, ({MEMORY_BYTES}, {MEMORY_BYTES}))
 try:
-    from math_verify import parse, verify
+    import math_verify
 except Exception as e:
     print(json.dumps({{"error": f"cannot import math_verify: {{type(e).__name__}}: {{e}}"}}), flush=True)
     raise SystemExit(1)
+# the grading rules, by path: the helper imports the standard library and math-verify, never flowrl's packages
+spec = importlib.util.spec_from_file_location("math_answers", {str(ANSWERS)!r})
+answers = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(answers)
 
 def grade(answer, response):
-    gold = parse(answer, parsing_timeout={SOFT_S})
-    if not gold and "$" not in answer:  # bare LaTeX (`\\\\sqrt{{8}}`): math-verify finds it between delimiters
-        gold = parse(f"${{answer}}$", parsing_timeout={SOFT_S})
-    got = parse(response, parsing_timeout={SOFT_S})
-    if not gold or not got:
-        return 0.0
-    return 1.0 if verify(gold, got, timeout_seconds={SOFT_S}) else 0.0
+    return answers.grade(answer, response, {SOFT_S})
 
 def cpu_seconds():
     use = resource.getrusage(resource.RUSAGE_SELF)

@@ -20,7 +20,7 @@ from flowrl.runtime.batch import Batch, training_batch
 from flowrl.runtime.functions import call_function, trajectory_returns
 from flowrl.runtime.fusion import StageRun, run_stage
 from flowrl.runtime.lengths import LengthTracker
-from flowrl.runtime.preference_update import EVAL_REF
+from flowrl.runtime.preference_update import EVAL_REF, held_out_forward
 from flowrl.runtime.protocol import RankLostError, WorkerGroup
 from flowrl.runtime.scoring import Scorer
 
@@ -211,7 +211,7 @@ class Controller:
             fwd = self.graph.node(ref)
             cached = self.held_out_ref.get(fwd.id)
             if cached is None:
-                cached = self.groups[fwd.worker_group].call("logprobs", fwd.model, rows, dict(fwd.attrs),
+                cached = self.groups[fwd.worker_group].call("logprobs", fwd.model, rows, held_out_forward(fwd.attrs),
                                                             dispatch=fwd.dispatch).result()["logp"]
                 if not self.graph.model(str(fwd.model)).trainable:
                     self.held_out_ref[fwd.id] = cached

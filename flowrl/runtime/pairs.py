@@ -5,8 +5,9 @@ A data batch of preference rows (`prompt`, `chosen`, `rejected`) becomes 2B rows
 at row 2i and its rejected one at row 2i + 1, both under pair i's prompt (`group_id` = i, so the share-prefix
 pass computes the prompt once for the two); `pair_side` is 0 on chosen rows, 1 on rejected ones. Demonstrations
 (`prompt`, `response`) become B rows. Responses end with EOS (the model learns to stop, as TRL's trainers do);
-a prompt given as chat messages is rendered first (flowrl.data.chat). When prompt + response pass the model's
-`context`, the prompt keeps its end and the response its start (TRL's `keep_start` for the completion).
+a prompt given as chat messages is rendered first (flowrl.data.chat), and gets the tokenizer's BOS unless its
+template wrote one. When prompt + response pass the model's `context`, a pair's prompt is cut once for both its
+sides (its end and its BOS kept) and each response keeps its start (TRL's `keep_start` for the completion).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from flowrl.data.tables import is_chat
 from flowrl.engines.generation import left_pad_prompts
 from flowrl.models.tokenizer import Tokenizer
 from flowrl.runtime.batch import Batch
+from flowrl.runtime.prompts import keep_end, with_bos
 
 __all__ = ["demo_batch", "pair_batch", "prompt_text"]
 
@@ -30,16 +32,19 @@ def prompt_text(prompt: Any, tokenizer: Tokenizer) -> str:
     return render_chat(prompt, tokenizer) if is_chat(prompt) else str(prompt)
 
 
-def _encode(tokenizer: Tokenizer, prompt: str, response: str, context: int) -> tuple[list[int], list[int]]:
-    p = tokenizer.encode(prompt)
-    if tokenizer.bos_id is not None:
-        p = [tokenizer.bos_id, *p]
-    r = [*tokenizer.encode(response), tokenizer.eos_id]
-    if len(p) + len(r) > context:  # keep the prompt's end and the response's start, at least one token of each
-        keep_p = max(1, min(len(p), context // 2))
-        p = p[-keep_p:]
-        r = r[: max(1, context - len(p))]
-    return p, r
+def _encode(tokenizer: Tokenizer, prompt: str, responses: Sequence[str],
+            context: int) -> tuple[list[int], list[list[int]]]:
+    """A prompt's ids and its responses' (each ending with EOS), cut to `context` together: the prompt is cut
+    once for all of them (a pair's two sides are read under the same prompt, as TRL's `tokenize_row` cuts a pair's
+    prompt once), as little as the longest response needs and to no less than half the context, its end and its
+    BOS kept; then each response keeps its start."""
+    p = with_bos(tokenizer, tokenizer.encode(prompt))
+    rs = [[*tokenizer.encode(r), tokenizer.eos_id] for r in responses]
+    longest = max(len(r) for r in rs)
+    if len(p) + longest > context:
+        p = keep_end(p, max(context // 2, context - longest), tokenizer)
+        rs = [r[: max(1, context - len(p))] for r in rs]
+    return p, rs
 
 
 def _tensors(pairs: Sequence[tuple[list[int], list[int]]], pad: int) -> dict[str, torch.Tensor]:
@@ -66,10 +71,11 @@ def pair_batch(batch: Batch, tokenizer: Tokenizer, context: int,
     meta: dict[str, list[Any]] = {k: [] for k in batch.meta}
     meta["response"] = []
     for i, row in enumerate(_rows(batch)):
-        prompt = render(row["prompt"], tokenizer)
-        for side in ("chosen", "rejected"):
-            encoded.append(_encode(tokenizer, prompt, str(row[side]), context))
-            meta["response"].append(str(row[side]))
+        sides = [str(row["chosen"]), str(row["rejected"])]
+        prompt, (chosen, rejected) = _encode(tokenizer, render(row["prompt"], tokenizer), sides, context)
+        encoded += [(prompt, chosen), (prompt, rejected)]
+        for side in sides:
+            meta["response"].append(side)
             for k, v in batch.meta.items():
                 meta[k].append(v[i])
     tensors = _tensors(encoded, tokenizer.pad_id)
@@ -83,7 +89,8 @@ def demo_batch(batch: Batch, tokenizer: Tokenizer, context: int,
                render: Callable[[Any, Tokenizer], str] = prompt_text) -> Batch:
     """B rows from B demonstration rows (`prompt`, `response`)."""
     rows = _rows(batch)
-    encoded = [_encode(tokenizer, render(row["prompt"], tokenizer), str(row["response"]), context) for row in rows]
+    encoded = [(p, r) for p, (r,) in (_encode(tokenizer, render(row["prompt"], tokenizer), [str(row["response"])],
+                                              context) for row in rows)]
     tensors = _tensors(encoded, tokenizer.pad_id)
     tensors["group_id"] = torch.arange(len(rows))
     meta = {**batch.meta, "response": [str(row["response"]) for row in rows]}

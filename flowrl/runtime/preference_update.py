@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from flowrl.algos.preference import bradley_terry_loss, dpo_loss, sequence_logp
 from flowrl.engines.forward import forward_logprobs
 from flowrl.engines.training import all_reduce_sum, data_parallel_world
-from flowrl.ir.attrs import UpdateAttrs
+from flowrl.ir.attrs import ForwardAttrs, UpdateAttrs
 from flowrl.ir.signatures import POLICY_UPDATE, REWARD_UPDATE
 from flowrl.models.tokenizer import Tokenizer
 from flowrl.runtime.batch import Batch
@@ -32,11 +32,13 @@ from flowrl.runtime.pairs import demo_batch, pair_batch
 from flowrl.runtime.preference import dpo_micro_loss, pair_scores, reward_micro_loss, sft_micro_loss
 from flowrl.runtime.schedule import Turn, mean_step_metrics
 
-__all__ = ["EVAL_REF", "PairUpdate", "evaluate", "fit_width", "is_data_batch", "pair_order", "rows_batch",
-           "token_rows", "update_on_rows"]
+__all__ = ["EVAL_LOGITS", "EVAL_REF", "EVAL_ROWS", "PairUpdate", "eval_rows", "evaluate", "fit_width",
+           "held_out_forward", "is_data_batch", "pair_order", "rows_batch", "token_rows", "update_on_rows"]
 
 PAIR_LOSSES = ("dpo", "bradley_terry")
 EVAL_REF = "eval_ref_logp"  # `evaluate`'s attrs key: the reference's (2E, T) log-probs of the held-out rows
+EVAL_LOGITS = 1 << 25  # logits a held-out forward holds at most (128 MB in fp32) when the update sets no micro_batch
+EVAL_ROWS = 16  # token rows the reference's forward over held-out rows reads when it sets no `micro_batch`
 _INPUTS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask")
 
 
@@ -168,41 +170,80 @@ def _dpo(module: nn.Module, mb: Batch, *, num_pairs: int, beta: float, kind: str
                           label_smoothing=label_smoothing, gamma=gamma, share=share)
 
 
+def eval_rows(attrs: Mapping[str, Any], per: int, job: PairUpdate) -> int:
+    """Token rows a held-out forward reads: the update's `micro_batch` (a training micro-batch, which keeps its
+    activations for the backward too, fits it), else as many as keep the forward's logits within `EVAL_LOGITS`
+    values (rows x the model's context x its vocabulary: a tiny model's 200 pairs in one forward, a 128k
+    vocabulary's one pair at a time); whole pairs (`per` rows each)."""
+    micro = UpdateAttrs.of(attrs).micro_batch
+    if micro <= 0:
+        # the model's own vocabulary (its LM head's width: a checkpoint's may pass its tokenizer's)
+        vocab = max(int(getattr(getattr(job.module, "config", None), "vocab_size", 0) or 0),
+                    int(getattr(job.tokenizer, "vocab_size", 0) or 0), 1)
+        micro = EVAL_LOGITS // max(1, job.context * vocab)
+    return per * max(1, micro // per)
+
+
+def held_out_forward(attrs: Mapping[str, Any]) -> dict[str, Any]:
+    """A forward node's attrs for running over held-out rows (the reference's log-probs of them, once while it is
+    frozen): its own `micro_batch`, or `EVAL_ROWS` rows a forward when it has none (all rows at once: memory
+    growing with the held-out set)."""
+    micro = ForwardAttrs.of(attrs).micro_batch
+    return {**attrs, "micro_batch": micro if micro > 0 else EVAL_ROWS}
+
+
 def evaluate(job: PairUpdate, held: Batch, attrs: Mapping[str, Any]) -> dict[str, float]:
     """The held-out rows `held` (data rows) scored after an update with `attrs`: a reward model's accuracy
     (chosen scored above rejected) and loss, DPO's loss and implicit-reward accuracy against the reference's
     log-probs of the same rows (`attrs[EVAL_REF]`, (2E, T)), or SFT's loss on held-out demonstrations (their
-    response tokens' mean NLL, every token weighing alike, as the update's `sft_loss`)."""
+    response tokens' mean NLL, every token weighing alike, as the update's `sft_loss`).
+
+    The rows are tokenised and run `eval_rows` at a time, keeping one number per row (a score, a sequence
+    log-prob) and for SFT two sums: memory is one bounded forward's whatever the held-out set's size (a
+    full-vocabulary forward over 2,000 pairs at once is hundreds of GB), and the metrics those of one forward
+    over all of them."""
     loss = str(attrs.get("loss"))
-    if loss == "sft":
-        demos = token_rows(held, job.tokenizer, job.context)
-        if "pair_side" in demos.tensors:
-            raise ValueError("loss \"sft\" evaluates demonstrations (prompt/response), got preference pairs")
-        with torch.no_grad():
-            value, _ = sft_micro_loss(job.module, demos, num_tokens=float(demos["response_mask"].sum()))
-        return {"eval/sft_loss": float(value)}
-    if loss not in PAIR_LOSSES:
+    if loss not in (*PAIR_LOSSES, "sft"):
         return {}
-    pairs = token_rows(held, job.tokenizer, job.context)
+    per = 2 if loss in PAIR_LOSSES else 1
+    kind = str(_param(attrs, "dpo", loss)) if loss == "dpo" else ""
+    ref = attrs.get(EVAL_REF)
+    if loss == "dpo" and kind != "simpo" and ref is None:
+        return {}
+    ref_all = torch.as_tensor(ref) if ref is not None and kind != "simpo" else None  # (2E, T)
+    mean = kind in ("ipo", "simpo")  # length-normalised, as the update (flowrl.runtime.preference)
+    # one number per token row, written in place: nothing a part keeps is left between the next parts' buffers
+    seq = torch.zeros(held.size * per)  # (2E,) scores, or sequence log-probs
+    ref_seq = torch.zeros(held.size * per) if ref_all is not None else None  # (2E,) the reference's
+    nll = tokens = 0.0
+    first, units = 0, eval_rows(attrs, per, job) // per
     with torch.no_grad():
-        if loss == "bradley_terry":
-            scores = pair_scores(job.module, pairs)  # (2E,)
-            _, m = bradley_terry_loss(scores[0::2], scores[1::2], margin=float(_param(attrs, "margin", loss)))
-            return {"eval_accuracy": m["accuracy"], "eval_loss": m["loss"]}
-        kind = str(_param(attrs, "dpo", loss))
-        inputs = [pairs[k].to(job.device) for k in _INPUTS]
-        mean = kind in ("ipo", "simpo")  # length-normalised, as the update (flowrl.runtime.preference)
-        seq = sequence_logp(forward_logprobs(job.module, *inputs), inputs[3], mean=mean)  # (2E,)
-        ref_c = ref_r = None
-        ref = attrs.get(EVAL_REF)
-        if kind != "simpo":
-            if ref is None:
-                return {}
-            ref_seq = sequence_logp(fit_width(torch.as_tensor(ref), inputs[3].shape[1]).to(seq.device), inputs[3],
-                                    mean=mean)
-            ref_c, ref_r = ref_seq[0::2], ref_seq[1::2]
-        _, m = dpo_loss(seq[0::2], seq[1::2], ref_c, ref_r, beta=float(_param(attrs, "beta", loss)), kind=kind,
-                        label_smoothing=float(_param(attrs, "label_smoothing", loss)),
-                        gamma=float(_param(attrs, "gamma", loss)))
+        for start in range(0, held.size, units):
+            rows = token_rows(held.slice(start, start + units), job.tokenizer, job.context)
+            if ("pair_side" in rows.tensors) != (per == 2):
+                raise ValueError("loss \"sft\" evaluates demonstrations (prompt/response), got preference pairs"
+                                 if per == 1 else f"loss \"{loss}\" evaluates preference pairs, got demonstrations")
+            here = slice(first, first + rows.size)
+            if loss == "sft":
+                value, _ = sft_micro_loss(job.module, rows, num_tokens=1.0)  # (the NLL's sum)
+                nll, tokens = nll + float(value), tokens + float(rows["response_mask"].sum())
+            elif loss == "bradley_terry":
+                seq[here] = pair_scores(job.module, rows).cpu()  # (2b,)
+            else:
+                inputs = [rows[k].to(job.device) for k in _INPUTS]
+                seq[here] = sequence_logp(forward_logprobs(job.module, *inputs), inputs[3], mean=mean).cpu()
+                if ref_seq is not None and ref_all is not None:
+                    mask = rows["response_mask"]
+                    ref_seq[here] = sequence_logp(fit_width(ref_all[here], mask.shape[1]), mask, mean=mean)
+            first += rows.size
+    if loss == "sft":
+        return {"eval/sft_loss": nll / max(tokens, 1.0)}
+    if loss == "bradley_terry":
+        _, m = bradley_terry_loss(seq[0::2], seq[1::2], margin=float(_param(attrs, "margin", loss)))
+        return {"eval_accuracy": m["accuracy"], "eval_loss": m["loss"]}
+    _, m = dpo_loss(seq[0::2], seq[1::2], None if ref_seq is None else ref_seq[0::2],
+                    None if ref_seq is None else ref_seq[1::2], beta=float(_param(attrs, "beta", loss)), kind=kind,
+                    label_smoothing=float(_param(attrs, "label_smoothing", loss)),
+                    gamma=float(_param(attrs, "gamma", loss)))
     return {"eval/loss": m["loss"], "eval/rewards/accuracies": m["rewards/accuracies"],
             "eval/rewards/margins": m["rewards/margins"]}

@@ -16,16 +16,16 @@ from flowrl.runtime.batch import Batch
 
 @dataclass(frozen=True)
 class PromptEncoder:
-    """A model's prompt texts -> token ids: BOS first where the tokenizer has one, the prompt's end kept when
-    it leaves fewer than `max_tokens` of the model's `context` for the response."""
+    """A model's prompt texts -> token ids: BOS first where the tokenizer has one (`with_bos`: one, even when a
+    chat template wrote it), the prompt's end (and its BOS) kept when it leaves fewer than `max_tokens` of the
+    model's `context` for the response."""
 
     tokenizer: Tokenizer
     context: int
 
     def tokens(self, text: str) -> list[int]:
-        """A prompt's whole token ids, BOS first where the tokenizer has one."""
-        row = self.tokenizer.encode(text)
-        return [self.tokenizer.bos_id, *row] if self.tokenizer.bos_id is not None else row
+        """A prompt's whole token ids, one BOS first where the tokenizer has one (see `with_bos`)."""
+        return with_bos(self.tokenizer, self.tokenizer.encode(text))
 
     def room(self, max_tokens: int) -> int:
         """The most prompt tokens that leave `max_tokens` of the context for the response (at least one); a run
@@ -33,7 +33,24 @@ class PromptEncoder:
         return max(1, self.context - max_tokens)
 
     def ids(self, texts: Sequence[str], max_tokens: int) -> list[list[int]]:
-        return [self.tokens(text)[-self.room(max_tokens):] for text in texts]
+        return [keep_end(self.tokens(text), self.room(max_tokens), self.tokenizer) for text in texts]
+
+
+def with_bos(tokenizer: Tokenizer, ids: list[int]) -> list[int]:
+    """A prompt's ids with the tokenizer's BOS first, where it has one: prepended unless the text already began with
+    it (a chat template that writes it: Llama-2/3's, Mistral's, Gemma's), so never two."""
+    bos = tokenizer.bos_id
+    return ids if bos is None or ids[:1] == [bos] else [bos, *ids]
+
+
+def keep_end(ids: list[int], keep: int, tokenizer: Tokenizer) -> list[int]:
+    """A prompt's ids cut to `keep` tokens (at least one) by dropping tokens after its BOS: its end is kept, and its
+    BOS too (a model trained with one sees one)."""
+    keep = max(1, keep)
+    if len(ids) <= keep:
+        return ids
+    lead = 1 if tokenizer.bos_id is not None and ids[:1] == [tokenizer.bos_id] and keep > 1 else 0
+    return ids[:lead] + ids[len(ids) - (keep - lead):]
 
 
 def prompt_texts(prompts: Batch, tokenizer: Tokenizer) -> list[str]:

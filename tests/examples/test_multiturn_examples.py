@@ -20,7 +20,7 @@ from flowrl.envs.protocol import EnvSpec
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 sys.path.insert(0, str(EXAMPLES))  # as the flows' folder is wherever their environments run
 
-from envs.calc import CALL_BONUS, REPEAT, calc, evaluate, final_answer, grade  # noqa: E402
+from envs.calc import CALL_BONUS, REPEAT, calc, evaluate, final_answer, grade, observed_call  # noqa: E402
 from envs.guess import Guess, feedback  # noqa: E402
 from envs.latency import Latency, draw, p99_over_p50  # noqa: E402
 
@@ -57,17 +57,49 @@ def test_grade_is_exact_match_with_partial_credit_below_it() -> None:
 
 
 def test_the_reward_grades_the_text_after_the_last_observation() -> None:
-    assert final_answer("13*7=", "()91;91", answer=91) == 1.0  # the call's bonus never passes 1
-    assert final_answer("13*7=", "()91;91;91;91", answer=91) == 1.0  # the tool's real observation
-    assert final_answer("13*7=", "()91;91;91;19", answer=91) == CALL_BONUS  # digits swapped: none in place
-    assert final_answer("13*7=", "()91;93", answer=91) == pytest.approx(0.4 + CALL_BONUS)
-    assert final_answer("13*7=", "()91;", answer=91) == 0.0  # called, never answered: no bonus
-    assert final_answer("13*7=", "()91;x", answer=91) == CALL_BONUS
-    assert final_answer("13*7=", "91", answer=91) == 1.0  # no tool: the whole response is the answer
-    assert final_answer("13*7=", "93", answer=91) == pytest.approx(0.4)
-    assert final_answer("13*7=", "()?;(1)91;91", answer=91) == 1.0
-    assert final_answer("13*7=", "()91;91;", answer=91) == 0.0  # a `;` of its own hides the answer
-    assert final_answer("13*7=", "()91;91", answer=None) == 0.0
+    q = {"answer": 91, "question": "13*7"}
+    assert final_answer("13*7=", "()91;91;91;91", **q) == 1.0  # the call's bonus never passes 1
+    assert final_answer("13*7=", "(13*7)91;91;91;91", **q) == 1.0  # the call's arguments are ignored
+    assert final_answer("13*7=", "9(91;91;91;91", **q) == 1.0  # a call cut by the turn's token cap
+    assert final_answer("13*7=", "()91;91;91;19", **q) == CALL_BONUS  # digits swapped: none in place
+    assert final_answer("13*7=", "()91;91;91;93", **q) == pytest.approx(0.4 + CALL_BONUS)
+    assert final_answer("13*7=", "()91;91;91;", **q) == 0.0  # called, never answered: no bonus
+    assert final_answer("13*7=", "()91;91;91;x", **q) == CALL_BONUS
+    assert final_answer("13*7=", "91", **q) == 1.0  # no tool: the whole response is the answer
+    assert final_answer("13*7=", "93", **q) == pytest.approx(0.4)
+    assert final_answer("13*7=", "()91;91;91;91;", **q) == 0.0  # a `;` of its own hides the answer
+    assert final_answer("13*7=", "()91;91;91;91", answer=None, question="13*7") == 0.0
+
+
+def test_the_call_bonus_is_for_a_real_call_only() -> None:
+    """A call whose observation came back, never a `;` written without calling: `;9` was 0.6 (0.4 for the tens
+    digit after the `;`, 0.2 for the `;`), what the no-tool flow's policy learnt on every prompt."""
+    q = {"answer": 91, "question": "13*7"}
+    assert observed_call("()91;91;91;91", "13*7") == (True, "91")
+    assert observed_call(";9", "13*7") == (False, ";9")
+    for forged in (";9", ";91", "9;", "();91", "(;9", "()91;91", "()93;93;93;91", "91;91;91;91"):
+        assert final_answer("13*7=", forged, **q) == grade(forged, 91), forged  # no bonus: the whole is the answer
+    assert final_answer("13*7=", ";9", **q) == 0.0  # was 0.6
+    assert final_answer("13*7=", "()91;91;91;91", answer=91, question="13*8") == 0.0  # another row's question
+    assert final_answer("13*7=", "()?;?;?;91", answer=91) == 1.0  # a row without a question: `?;?;?;` came back
+    assert final_answer("13*7=", "()91;91;91;9", **q) == pytest.approx(0.4 + CALL_BONUS)  # the real call
+
+
+def test_the_call_bonus_is_paid_for_calls_the_environment_answered() -> None:
+    """Through the tool as the flow runs it (the pool, two turns): the response the rollout builds from the
+    actions and the tool's observation earns the bonus; the same actions without the tool do not."""
+    spec = EnvSpec(name="calc", target="envs.calc.calc", kind="tool", max_turns=2, stop=(")",), call="(",
+                   workers=0, timeout=5.0, folder=str(EXAMPLES))
+    pool = EnvPool(spec)
+    try:
+        row = {"prompt": "13*7=", "question": "13*7", "answer": 91}
+        pool.reset(0, row).result()
+        observation = pool.step(0, "()").result().observation
+    finally:
+        pool.close()
+    with_tool = "()" + observation + "93"
+    assert final_answer(row["prompt"], with_tool, answer=91, question="13*7") == pytest.approx(0.4 + CALL_BONUS)
+    assert final_answer(row["prompt"], "()93", answer=91, question="13*7") == 0.0  # written without the tool
 
 
 def test_feedback_says_where_the_number_is_and_refuses_anything_but_one_digit() -> None:
