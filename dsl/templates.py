@@ -9,12 +9,14 @@ hygienic: they see their parameters and the step functions, not the file's other
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from flowrl.errors import Diagnostic, FlowError
 from flowrl.ir.graph import ROLES
+from flowrl.ir.signatures import DPO_KINDS
 
 from . import ast
 from .diagnostics import Reporter, Source, closest, did_you_mean, one_of
@@ -38,6 +40,21 @@ def template_source(name: str) -> str:
         hint = did_you_mean(name, stdlib_names()) or f"templates: {', '.join(stdlib_names())}"
         raise FlowError(Diagnostic(f"unknown template `{name}`", hint=hint))
     return path.read_text(encoding="utf-8")
+
+
+def template_summary(name: str) -> str:
+    """A standard template's one-line description: the first line of the comment that opens its file when it is a
+    sentence of its own (ends with a period), else that comment's first sentence."""
+    lines = []
+    for line in template_source(name).splitlines():
+        if not line.startswith("#"):
+            break
+        lines.append(line.lstrip("#").strip())
+    if not lines or lines[0].endswith("."):
+        return lines[0] if lines else ""
+    text = " ".join(lines)
+    end = re.search(r"\.(\s|$)", text)
+    return text[: end.start() + 1] if end else text
 
 
 @functools.cache
@@ -90,8 +107,9 @@ class Expander:
         found = self.find(name)
         if found is None:
             known = sorted(set(stdlib_names()) | set(self.templates))
-            self.rep.error(src, f"unknown template `{name}`", use.template,
-                           hint=did_you_mean(name, known) or f"templates: {', '.join(known)}")
+            hint = (f"`{name}` is a kind of the `dpo` template: write `use dpo(dpo = \"{name}\")`"
+                    if name in DPO_KINDS else did_you_mean(name, known) or f"templates: {', '.join(known)}")
+            self.rep.error(src, f"unknown template `{name}`", use.template, hint=hint)
             return None
         tdecl, tsrc = found
         if tsrc.path != src.path:  # a standard template: its lines' problems also point at this `use`

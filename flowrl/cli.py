@@ -243,9 +243,11 @@ def cmd_compile(args: argparse.Namespace) -> int:
 
 def cmd_show(args: argparse.Namespace) -> int:
     from flowrl.dsl import stdlib_names, template_source
+    from flowrl.dsl.templates import template_summary
 
-    if not args.name:
-        print("\n".join(stdlib_names()))
+    if not args.name:  # each with the first sentence of its file's opening comment
+        width = max(map(len, stdlib_names()))
+        print("\n".join(f"{name:<{width}}  {template_summary(name)}" for name in stdlib_names()))
         return 0
     if args.name not in stdlib_names():
         raise FlowError(f"no standard template named '{args.name}' (templates: {', '.join(stdlib_names())})")
