@@ -5,6 +5,9 @@ stage of a pipeline."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -194,3 +197,34 @@ def test_a_later_stage_reads_the_reference_the_first_stage_left_unbuilt(tmp_path
     assert _plain(results["on"].metrics) == _plain(results["off"].metrics)
     b_rows = [r for r in results["on"].metrics if r["stage"] == "b"]
     assert all("kl_mean" in r for r in b_rows) and b_rows[0]["kl_mean"] != 0.0  # a moved the actor off it
+
+
+CHILD = """
+import sys
+import flowrl
+from flowrl.backends.local import LocalBackend
+graph = flowrl.compile_flow(sys.argv[1], "/flows/kl_free.flow", no_pass=sys.argv[2:])
+groups = LocalBackend().start(graph, seed=0, device="cpu")
+print(next(line for line in open("/proc/self/status") if line.startswith("VmHWM")).split()[1])
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads the kernel's peak RSS from /proc")
+def test_the_kernel_counts_the_reference_weights_saved(tmp_path: Path) -> None:
+    """The memory the pass saves, as the kernel counts it (each process's peak resident set, VmHWM): at least 80%
+    of the reference's block weights (a 4-layer, width-512 policy: 12.6M parameters there, 48 MiB), the rest of
+    the process being equal."""
+    data = Path(__file__).resolve().parents[2] / "examples" / "data" / "arith.jsonl"
+    text = ('model actor : policy { source = "tiny:gpt2", layers = 4, dim = 512, heads = 8, '
+            'charset = "0123456789+=" }\nmodel ref : reference { source = actor }\n'
+            'reward correct = "flowrl.rewards.arith_exact"\n'
+            f'data prompts = jsonl("{data}") {{ batch = 2 }}\n'
+            "use gspo(reward = correct, group = 2, max_tokens = 2)\n")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]), "OMP_NUM_THREADS": "1"}
+    peak = {}
+    for side, off in (("on", []), ("off", ["drop-reference"])):
+        done = subprocess.run([sys.executable, "-c", CHILD, text, *off], env=env, capture_output=True, text=True,
+                              check=True)
+        peak[side] = int(done.stdout.split()[-1]) * 1024  # kB
+    ref_bytes = 12 * 4 * 512 * 512 * 4  # the 4 blocks' attention and MLP weights alone, float32
+    assert peak["off"] - peak["on"] >= 0.8 * ref_bytes, peak
