@@ -19,11 +19,12 @@ HOW_IT_RAN = ("time/", "fusion/", "cost/", "scale/", "migrate/", "prefill/", "as
 TOL = 1e-4  # as tests/backends/test_same_metrics.py: reductions in another order move numbers by ~1e-6
 
 
-def recipe_flow(recipe: str, replicas: int = 1, extra: str = "") -> str:
+def recipe_flow(recipe: str, replicas: int = 1, extra: str = "", engine: str = "") -> str:
     rep = f", replicas = {replicas}" if replicas != 1 else ""
+    own = f', engine = "deepspeed", zero_stage = {engine[-1]}' if engine.startswith("deepspeed") else ""
     return (f"flow tiny_{recipe}\n"
             'model actor : policy { source = "tiny:gpt2", layers = 1, dim = 32, heads = 2, '
-            f'charset = "0123456789+=", lr = 1e-3{rep} }}\n'
+            f'charset = "0123456789+=", lr = 1e-3{rep}{own} }}\n'
             f"model ref : reference {{ source = actor{rep} }}\n"
             'reward correct = "flowrl.rewards.length_target"\n'
             f'data prompts = jsonl("{DATA}") {{ batch = 4, shuffle = true }}\n'
@@ -31,8 +32,8 @@ def recipe_flow(recipe: str, replicas: int = 1, extra: str = "") -> str:
             "run { steps = 2, seed = 2 }\n")
 
 
-def graph_of(recipe: str, replicas: int = 1, extra: str = "") -> Graph:
-    return flowrl.compile_flow(recipe_flow(recipe, replicas, extra), f"/flows/tiny_{recipe}.flow")
+def graph_of(recipe: str, replicas: int = 1, extra: str = "", engine: str = "") -> Graph:
+    return flowrl.compile_flow(recipe_flow(recipe, replicas, extra, engine), f"/flows/tiny_{recipe}.flow")
 
 
 def clean(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -82,3 +83,12 @@ def test_two_ranks_give_the_local_numbers(recipe: str, backend: str, tmp_path: P
     assert {w.ranks for w in g.worker_groups} == {2}
     rows = clean(flowrl.run(g, out_dir=tmp_path / backend, backend=backend).metrics)
     assert_same(rows, local_numbers(recipe, tmp_path), f"{recipe}/{backend}")
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_the_deepspeed_engine_trains_like_torch(recipe: str, tmp_path: Path) -> None:
+    """`engine = "deepspeed"` (ZeRO-2 on CPU/gloo) takes the same loss through flowrl.runtime.rollout_loss."""
+    rows = flowrl.run(graph_of(recipe, engine="deepspeed2"), out_dir=tmp_path / "ds", backend="local").metrics
+    for got, want in zip(rows, local_numbers(recipe, tmp_path), strict=True):
+        for key in ("reward_mean", "response_len_mean", "loss", "actor/pg_loss", "actor/clipfrac"):
+            assert got[key] == pytest.approx(want[key], rel=TOL, abs=TOL), (recipe, got["step"], key)
