@@ -92,3 +92,17 @@ def test_the_deepspeed_engine_trains_like_torch(recipe: str, tmp_path: Path) -> 
     for got, want in zip(rows, local_numbers(recipe, tmp_path), strict=True):
         for key in ("reward_mean", "response_len_mean", "loss", "actor/pg_loss", "actor/clipfrac"):
             assert got[key] == pytest.approx(want[key], rel=TOL, abs=TOL), (recipe, got["step"], key)
+
+
+def test_cispo_with_one_step_per_rollout_trains_exactly_as_grpo(tmp_path: Path) -> None:
+    """On-policy (one optimizer step per rollout) every importance weight is 1: CISPO's gradient -A grad log pi is
+    PPO's at ratio 1, so the run is GRPO's bit for bit; only the loss's value differs (-A log pi, not -A). The two
+    part once the weights move within an update (mini_batches, epochs, an asynchronous run)."""
+    runs = {}
+    for recipe in ("grpo", "cispo"):
+        g = flowrl.compile_flow(recipe_flow(recipe, extra=", kl_coef = 0.0"), f"/flows/{recipe}.flow")
+        runs[recipe] = clean(flowrl.run(g, out_dir=tmp_path / recipe, backend="local").metrics)
+    for a, b in zip(runs["grpo"], runs["cispo"], strict=True):
+        assert a.keys() == b.keys()
+        assert {k for k in a if a[k] != b[k]} <= {"loss", "actor/loss", "actor/pg_loss"}
+        assert a["actor/grad_norm"] == b["actor/grad_norm"] > 0
