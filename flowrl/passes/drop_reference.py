@@ -65,7 +65,8 @@ def _readers_note(graph: Graph, fwd: Node) -> str:
     readers = graph.consumers(fwd.id)
     if not readers:
         return "nothing reads it"
-    return ", ".join(f"`{r.id}`" for r in readers) + " reads it with kl_coef = 0"
+    return " and ".join(f"`{r.id}`" for r in readers) + (" read" if len(readers) > 1 else " reads") + \
+        " it with kl_coef = 0"
 
 
 @register("drop-reference", "remove the reference model's forward, and the model itself, when nothing uses its "

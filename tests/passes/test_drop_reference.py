@@ -49,6 +49,15 @@ def test_removes_the_forward_and_the_model(ppo: Callable[..., Graph]) -> None:
     assert "model ref : reference <- actor {" in to_text(g) and "  # not built: no worker group holds it" in to_text(g)
 
 
+def test_removes_it_from_reinforce_pp_rewards_with_no_kl(ppo: Callable[..., Graph]) -> None:
+    g, notes = drop_reference(ppo(body="adv2 = reinforce_pp_advantage(scores, old_logp, ref_logp, kl_coef = 0.0)\n"
+                                       "    actor.update(rollout, old_logp = old_logp, ref_logp = ref_logp, "
+                                       "advantages = adv2)"))
+    assert g.node("adv2").inputs == (("scores", "scores"), ("logp", "old_logp"))
+    assert notes[0] == ("ref_logp: removed: `adv2` and `actor.update` read it with kl_coef = 0, so nothing uses "
+                        "ref's log-probs (the step's kl_mean is not reported)")
+
+
 def test_a_group_left_with_no_model_goes(ppo: Callable[..., Graph]) -> None:
     placement = "placement {\n    pool gen { gpus = 1 }\n    pool kl { gpus = 1 }\n    actor, critic, rm -> gen\n" \
                 "    ref -> kl\n}\n"
