@@ -49,9 +49,26 @@ class Source:
 
 
 def closest(name: str, candidates: Iterable[str]) -> str | None:
-    """The candidate most similar to `name` (difflib ratio >= 0.6), or None."""
-    found = difflib.get_close_matches(name, sorted(set(candidates) - {name}), n=1, cutoff=0.6)
-    return found[0] if found else None
+    """The candidate most similar to `name` (difflib ratio >= 0.6), or None. Among the equally similar, the one
+    fewest typing slips away (a swapped pair of letters counts as one: `gpro` is `grpo`, not `gspo`)."""
+    found = difflib.get_close_matches(name, sorted(set(candidates) - {name}), n=5, cutoff=0.6)
+    if not found:
+        return None
+    best = difflib.SequenceMatcher(None, name, found[0]).ratio()
+    tied = [c for c in found if difflib.SequenceMatcher(None, name, c).ratio() == best]
+    return min(tied, key=lambda c: _slips(name, c))
+
+
+def _slips(a: str, b: str) -> int:
+    """Edits from `a` to `b`: insertions, deletions, substitutions and swaps of neighbours (optimal string
+    alignment distance)."""
+    d = [[i + j if i * j == 0 else 0 for j in range(len(b) + 1)] for i in range(len(a) + 1)]
+    for i in range(1, len(a) + 1):
+        for j in range(1, len(b) + 1):
+            d[i][j] = min(d[i - 1][j] + 1, d[i][j - 1] + 1, d[i - 1][j - 1] + (a[i - 1] != b[j - 1]))
+            if i > 1 and j > 1 and a[i - 1] == b[j - 2] and a[i - 2] == b[j - 1]:
+                d[i][j] = min(d[i][j], d[i - 2][j - 2] + 1)
+    return d[len(a)][len(b)]
 
 
 def did_you_mean(name: str, candidates: Iterable[str]) -> str | None:

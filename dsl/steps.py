@@ -16,7 +16,18 @@ from typing import Any
 from flowrl import registry
 from flowrl.errors import Loc
 from flowrl.ir.graph import CONTROLLER, ModelDecl, Node, Value, frozen
-from flowrl.ir.signatures import DATA_LOSSES, FUNCTIONS, LOSS_KEYS, METHODS, REWARD, SCORE, Param, Signature
+from flowrl.ir.signatures import (
+    DATA_LOSSES,
+    FUNCTIONS,
+    LOSS_KEYS,
+    METHODS,
+    REWARD,
+    ROLLOUT_LOSSES,
+    SCORE,
+    WRITTEN_ONLY,
+    Param,
+    Signature,
+)
 
 from . import ast
 from .dag import cycle_through, strongly_connected, topological
@@ -215,9 +226,23 @@ class StepLowering:
                 self.written.pop((p.id, key), None)
         return ok
 
+    def _scale_factor(self, p: _Pending) -> bool:
+        """`loss_scale_factor` divides the token sum of agg = "seq-mean-token-sum-norm" only: with another agg it
+        would do nothing, so writing it there is an error."""
+        factor = int(str(p.attrs.get("loss_scale_factor", 0) or 0))
+        agg = str(p.attrs.get("agg"))
+        if factor == 0 or agg == "seq-mean-token-sum-norm":
+            return True
+        src, where = self.written[(p.id, "loss_scale_factor")]
+        self.rep.error(src, f"`loss_scale_factor` only divides agg = \"seq-mean-token-sum-norm\", but this "
+                            f"update's agg is \"{agg}\"", where,
+                       hint="write agg = \"seq-mean-token-sum-norm\" (Dr. GRPO: the token sum over a constant), or "
+                            "remove `loss_scale_factor = ...`")
+        return False
+
     def _check_update(self, body: Body, call: ast.Call, what: str, bound: dict[str, int], p: _Pending) -> bool:
-        """What an update trains on must suit its loss: ppo_clip a rollout with `advantages`; sft, dpo and
-        bradley_terry a data node of rows (flowrl.runtime.preference_update); dpo (but simpo) its reference's
+        """What an update trains on must suit its loss: ppo_clip and cispo a rollout with `advantages`; sft, dpo
+        and bradley_terry a data node of rows (flowrl.runtime.preference_update); dpo (but simpo) its reference's
         log-probs. False after reporting every problem."""
         loss = str(p.attrs.get("loss"))
         inputs = dict(p.inputs)
@@ -225,17 +250,17 @@ class StepLowering:
         first = next((a for a in call.args if a.key is None or a.key.name == "rollout"), None)
         where: ast.Located = first.value if first is not None else call.callee
         ok = True
-        if loss == "ppo_clip":
+        if loss in ROLLOUT_LOSSES:
             if "advantages" not in inputs:
                 self.rep.error(body.src, f"missing required argument `advantages` of `{what}`", call.callee,
                                hint="add `advantages = NAME`")
                 ok = False
             if src is not None and src not in bound:
-                self.rep.error(body.src, f"loss \"ppo_clip\" trains on a rollout, but `{src}` is a data node", where,
+                self.rep.error(body.src, f"loss \"{loss}\" trains on a rollout, but `{src}` is a data node", where,
                                hint=f"generate one first: `rollout = MODEL.generate({src}, ...)`; to train on its "
                                     "rows write loss = \"sft\" (demonstrations) or \"dpo\" (preference pairs)")
                 ok = False
-            return self._loss_keys(body, call, loss, p) and ok
+            return self._loss_keys(body, call, loss, p) and self._scale_factor(p) and ok
         if loss not in DATA_LOSSES:
             return ok
         if src is not None and src in bound:
@@ -369,7 +394,7 @@ class StepLowering:
                     self.rep.error(body.src, f"missing required argument `{param.name}` of `{what}`", call.callee,
                                    hint=f"add `{param.name} = {placeholder}`")
                     ok = False
-                elif param.kind != "node":
+                elif param.kind != "node" and not (sig is METHODS["policy"]["update"] and param.name in WRITTEN_ONLY):
                     p.attrs[param.name] = param.default
                     self.written[(p.id, param.name)] = (body.src, call.callee)
                 continue

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from flowrl.errors import Diagnostic, FlowError
 from flowrl.ir.graph import ROLES
+from flowrl.ir.signatures import DPO_KINDS
 
 from . import ast
 from .diagnostics import Reporter, Source, closest, did_you_mean, one_of
@@ -119,8 +120,9 @@ class Expander:
         found = self.find(name)
         if found is None:
             known = sorted(set(stdlib_names()) | set(self.templates))
-            self.rep.error(src, f"unknown template `{name}`", use.template,
-                           hint=did_you_mean(name, known) or f"templates: {', '.join(known)}")
+            hint = (f"`{name}` is a kind of the `dpo` template: write `use dpo(dpo = \"{name}\")`"
+                    if name in DPO_KINDS else did_you_mean(name, known) or f"templates: {', '.join(known)}")
+            self.rep.error(src, f"unknown template `{name}`", use.template, hint=hint)
             return None
         tdecl, tsrc = found
         if tsrc.path != src.path:  # a standard template: its lines' problems also point at this `use`

@@ -11,8 +11,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["AGG_MODES", "IS_CORRECTIONS", "KL_KINDS", "aggregate", "behaviour_weights", "denominators", "kl",
-           "policy_loss", "ppo_clip_loss", "value_loss"]
+from flowrl.algos.ratios import ROLLOUT_LOSSES, cispo_token_loss, importance_log_ratio
+
+__all__ = ["AGG_MODES", "IS_CORRECTIONS", "KL_KINDS", "aggregate", "behaviour_weights", "cispo_loss", "denominators",
+           "kl", "policy_loss", "ppo_clip_loss", "value_loss"]
 
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 
@@ -156,16 +158,21 @@ def _ppo_clip_token_loss(
     clip: float = 0.2,
     clip_high: float | None = None,
     dual_clip: float | None = None,
+    *,
+    ratio_level: str = "token",
+    mask: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Per-token clipped surrogate -> (loss, ratio, clipped), each (B, T); see `ppo_clip_loss`."""
+    """Per-token clipped surrogate -> (loss, ratio, clipped), each (B, T); see `ppo_clip_loss`. `ratio_level`
+    "sequence" (GSPO) needs the `mask` its per-sequence mean runs over."""
     if dual_clip is not None and dual_clip <= 1.0:
         raise ValueError(f"dual_clip must be > 1 (it bounds the loss at -dual_clip * A), got {dual_clip}")
     old_logp = old_logp.detach()
     advantages = advantages.detach()
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(-1)  # (B, 1): one outcome advantage for every token
-    # Clamp the log-ratio so a stale or garbage token cannot overflow exp().
-    ratio = torch.exp((logp - old_logp).clamp(-20.0, 20.0))  # (B, T)
+    # The log-ratio is clamped so a stale or garbage token cannot overflow exp() (flowrl.algos.ratios).
+    ratio = torch.exp(importance_log_ratio(logp, old_logp, torch.ones_like(logp) if mask is None else mask,
+                                          ratio_level))  # (B, T)
     high = clip if clip_high is None else clip_high
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1.0 - clip, 1.0 + high)
@@ -190,6 +197,7 @@ def ppo_clip_loss(
     num_seqs: float | Tensor | None = None,
     horizon: float | Tensor | None = None,
     weights: Tensor | None = None,
+    ratio: str = "token",
 ) -> tuple[Tensor, dict[str, float]]:
     """PPO clipped policy loss (arXiv:1707.06347) -> (scalar loss, metrics).
 
@@ -197,6 +205,8 @@ def ppo_clip_loss(
     rho = exp(clamp(logp - old_logp, -20, 20));
     l = max(-A * rho, -A * clamp(rho, 1 - clip, 1 + clip_high))   (clip_high defaults to clip; DAPO's
     clip-higher uses clip_high > clip); dual_clip=c > 1 additionally caps l at -c * A where A < 0.
+    `ratio` "sequence" is GSPO: rho is the sequence's ratio s_i on each of its tokens, with each token's own
+    gradient (flowrl.algos.ratios.importance_log_ratio), and the clip acts on whole sequences.
     Gradients flow to `logp` only (old_logp and advantages are detached). `weights` (B, T), when given,
     multiply each token's l before aggregation (the behaviour importance weights of `behaviour_weights`).
 
@@ -206,15 +216,49 @@ def ppo_clip_loss(
     logp, old_logp = _on_mask(logp, mask), _on_mask(old_logp, mask)
     if advantages.dim() == 2:
         advantages = _on_mask(advantages, mask)
-    token_loss, ratio, clipped = _ppo_clip_token_loss(logp, old_logp, advantages, clip, clip_high, dual_clip)
+    token_loss, rho, clipped = _ppo_clip_token_loss(logp, old_logp, advantages, clip, clip_high, dual_clip,
+                                                    ratio_level=ratio, mask=mask)
+    return _reduced(token_loss, rho, clipped, logp, old_logp, mask, agg, weights,
+                    num_tokens=num_tokens, num_seqs=num_seqs, horizon=horizon)
+
+
+def cispo_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    clip: float = 1.0,
+    clip_high: float | None = 4.0,
+    agg: str = "token-mean",
+    *,
+    num_tokens: float | Tensor | None = None,
+    num_seqs: float | Tensor | None = None,
+    horizon: float | Tensor | None = None,
+    weights: Tensor | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """CISPO's policy loss (MiniMax-M1, arXiv:2506.13585) -> (scalar loss, metrics): agg of
+    l = -sg(clamp(rho, 1 - clip, 1 + clip_high)) * A * logp (flowrl.algos.ratios.cispo_token_loss), every token
+    keeping its gradient. Shapes, `weights` and metrics as `ppo_clip_loss` (clipfrac: the tokens whose weight
+    was clamped)."""
+    logp, old_logp = _on_mask(logp, mask), _on_mask(old_logp, mask)
+    if advantages.dim() == 2:
+        advantages = _on_mask(advantages, mask)
+    token_loss, rho, clipped = cispo_token_loss(logp, old_logp, advantages, clip, clip_high)
+    return _reduced(token_loss, rho, clipped, logp, old_logp, mask, agg, weights,
+                    num_tokens=num_tokens, num_seqs=num_seqs, horizon=horizon)
+
+
+def _reduced(token_loss: Tensor, rho: Tensor, clipped: Tensor, logp: Tensor, old_logp: Tensor, mask: Tensor,
+             agg: str, weights: Tensor | None, **denoms: float | Tensor | None) -> tuple[Tensor, dict[str, float]]:
+    """A per-token policy loss aggregated (times `weights`, detached) and its metrics."""
     if weights is not None:
         token_loss = token_loss * weights.detach()
-    loss = aggregate(token_loss, mask, agg, num_tokens=num_tokens, num_seqs=num_seqs, horizon=horizon)
+    loss = aggregate(token_loss, mask, agg, **denoms)
     with torch.no_grad():
         metrics = {
-            "clipfrac": _masked_mean(clipped.to(ratio.dtype), mask).item(),
+            "clipfrac": _masked_mean(clipped.to(rho.dtype), mask).item(),
             "ppo_kl": _masked_mean(old_logp - logp, mask).item(),
-            "ratio_mean": _masked_mean(ratio, mask).item(),
+            "ratio_mean": _masked_mean(rho, mask).item(),
         }
     return loss, metrics
 
@@ -240,11 +284,16 @@ def policy_loss(
     num_tokens: float | Tensor | None = None,
     num_seqs: float | Tensor | None = None,
     horizon: float | Tensor | None = None,
+    loss: str = "ppo_clip",
+    ratio: str = "token",
 ) -> tuple[Tensor, dict[str, float]]:
     """The policy update's whole objective -> (scalar loss, metrics):
 
         loss = ppo_clip_loss(logp, old_logp, A, weights=w) + kl_coef * agg(kl(logp, ref_logp))
                - entropy_coef * agg(entropy)
+
+    `loss` "cispo" puts `cispo_loss` in place of `ppo_clip_loss` (with the same clip, clip_high and weights);
+    `ratio` "sequence" makes ppo_clip GSPO's (`ppo_clip_loss`).
 
     For samples generated by older weights (an asynchronous run), `old_logp` is the proximal policy's (the
     weights before this update) and `behav_logp` the behaviour policy's (recorded by generation);
@@ -269,15 +318,22 @@ def policy_loss(
                              "(the rollout's gen_logp, recorded by generation)")
         weights = behaviour_weights(old, behav_logp, is_correction, is_cap)
         raw = torch.exp((old.detach() - behav_logp.detach()).clamp(-20.0, 20.0))
-    loss, pg = ppo_clip_loss(logp, old, advantages, mask, clip=clip, clip_high=clip_high, dual_clip=dual_clip,
-                             agg=agg, num_tokens=num_tokens, num_seqs=num_seqs, horizon=horizon, weights=weights)
+    if loss not in ROLLOUT_LOSSES:
+        raise ValueError(f"unknown policy loss {loss!r}; expected one of {', '.join(ROLLOUT_LOSSES)}")
+    if loss == "cispo":
+        total, pg = cispo_loss(logp, old, advantages, mask, clip=clip, clip_high=clip_high, agg=agg,
+                               num_tokens=num_tokens, num_seqs=num_seqs, horizon=horizon, weights=weights)
+    else:
+        total, pg = ppo_clip_loss(logp, old, advantages, mask, clip=clip, clip_high=clip_high, dual_clip=dual_clip,
+                                  agg=agg, num_tokens=num_tokens, num_seqs=num_seqs, horizon=horizon,
+                                  weights=weights, ratio=ratio)
     metrics = {k if k == "clipfrac" else f"pg_{k}": v for k, v in pg.items()}
     if weights is not None and raw is not None:
         with torch.no_grad():
             metrics["is_weight_mean"] = _masked_mean(weights, mask).item()
             beyond = _masked_mean((raw > is_cap).to(raw.dtype), mask).item()
             metrics["is_dropped" if is_correction == "decoupled" else "is_truncated"] = beyond
-    metrics["pg_loss"] = float(loss.detach())
+    metrics["pg_loss"] = float(total.detach())
     denoms = {"num_tokens": num_tokens, "num_seqs": num_seqs, "horizon": horizon}
     if ref_logp is not None and old_logp is None:
         with torch.no_grad():
@@ -286,14 +342,14 @@ def policy_loss(
             metrics["kl_mean"] = float(diff.sum()) / max(tokens, 1.0)
     if kl_coef and ref_logp is not None:
         kl_loss = aggregate(kl(logp, ref_logp, kl_kind), mask, agg, **denoms)
-        loss = loss + kl_coef * kl_loss
+        total = total + kl_coef * kl_loss
         metrics["kl_loss"] = float(kl_loss.detach())
     if entropy is not None:
         ent = aggregate(entropy, mask, agg, **denoms)
         metrics["entropy"] = float(ent.detach())
         if entropy_coef:
-            loss = loss - entropy_coef * ent  # a bonus: higher entropy lowers the loss
-    return loss, metrics
+            total = total - entropy_coef * ent  # a bonus: higher entropy lowers the loss
+    return total, metrics
 
 
 def value_loss(

@@ -99,6 +99,9 @@ class UpdateAttrs(Prefix):
     is_correction: str = str(default(POLICY_UPDATE, "is_correction"))
     is_cap: float = float(default(POLICY_UPDATE, "is_cap"))
     lr: float = float(default(POLICY_UPDATE, "lr"))  # 0: the model's own
+    loss: str = str(default(POLICY_UPDATE, "loss"))  # a policy's rollout loss: ppo_clip or cispo (a critic's: value)
+    ratio: str = str(default(POLICY_UPDATE, "ratio"))  # "token", or "sequence" (GSPO)
+    loss_scale_factor: int = int(str(default(POLICY_UPDATE, "loss_scale_factor")))  # 0: the response width
 
     @property
     def correction(self) -> str:

@@ -70,12 +70,15 @@ def format_eval(e: EvalDecl) -> str:
 def to_text(g: Graph) -> str:
     """A stable, line-oriented rendering: declarations, worker groups, nodes in schedule order, passes."""
     lines = [f"flow {g.flow}" + (f"  (use {g.template})" if g.template else "")]
+    grouped = {name for w in g.worker_groups for name in w.models}
     for m in g.models:
         src = m.source_model or m.source
         extra: dict[str, Value] = {"trainable": m.trainable, "engine": m.engine,
                                    **({"lr": m.lr} if m.lr is not None else {})}
         extra.update(m.config)
-        lines.append(f"model {m.name} : {m.role} <- {src} {{{_kv(extra)}}}")
+        # declared, but in no worker group (pass drop-reference): no backend builds it
+        unbuilt = "  # not built: no worker group holds it" if g.worker_groups and m.name not in grouped else ""
+        lines.append(f"model {m.name} : {m.role} <- {src} {{{_kv(extra)}}}{unbuilt}")
     for r in g.rewards:
         source = f'http("{r.target}")' if r.kind == "http" else r.target
         opts = ", ".join(f"{k} = {json.dumps(_json_value(v))}" for k, v in r.options.items())

@@ -84,6 +84,10 @@ def _n(name: str, required: bool = True, positional: bool = True) -> Param:
 
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 KL_KINDS = ("k1", "k2", "k3")
+# A policy's losses on a rollout (need `advantages`): PPO's clipped surrogate and CISPO's clipped, stop-gradient IS
+# weight (MiniMax-M1); = flowrl.algos.ratios.ROLLOUT_LOSSES (ir sits below algos; a test keeps them equal)
+ROLLOUT_LOSSES = ("ppo_clip", "cispo")
+RATIO_LEVELS = ("token", "sequence")  # ppo_clip's importance ratio: per token (PPO), per sequence (GSPO)
 IS_CORRECTIONS = ("auto", "none", "decoupled", "tis")
 
 _TRAIN_COMMON = (
@@ -116,7 +120,7 @@ VALUES = Signature("values", (_n("rollout"),), op="values")
 SCORE = Signature("score", (_n("rollout"),), op="score")
 # Losses on a data node of rows instead of a rollout (flowrl.runtime.preference_update): a policy's "sft" on
 # demonstrations (prompt/response) and "dpo" on preference pairs (prompt/chosen/rejected), a reward model's
-# "bradley_terry" on pairs. `ppo_clip` alone trains on a rollout and needs `advantages` (dsl/steps.py checks).
+# "bradley_terry" on pairs. `ppo_clip` and `cispo` train on a rollout and need `advantages` (dsl/steps.py checks).
 DATA_LOSSES = ("sft", "dpo", "bradley_terry")
 DPO_KINDS = ("sigmoid", "ipo", "simpo")  # = flowrl.algos.preference.DPO_KINDS (ir sits below algos; a test keeps them equal)
 # `eval_every`: a preference update on data with `held_out` rows scores them every N steps (0: never)
@@ -125,10 +129,10 @@ POLICY_UPDATE = Signature(
     "update",
     (
         _n("rollout"),
-        _n("advantages", required=False, positional=False),  # required by ppo_clip (dsl/steps.py)
+        _n("advantages", required=False, positional=False),  # required by ppo_clip and cispo (dsl/steps.py)
         _n("old_logp", required=False, positional=False),
         _n("ref_logp", required=False, positional=False),
-        Param("loss", "str", default="ppo_clip", choices=("ppo_clip", "sft", "dpo")),
+        Param("loss", "str", default="ppo_clip", choices=(*ROLLOUT_LOSSES, "sft", "dpo")),
         Param("beta", "float", default=0.1, limit=ABOVE_ZERO),  # dpo: the implicit reward's scale
         Param("dpo", "str", default="sigmoid", choices=DPO_KINDS),
         Param("label_smoothing", "float", default=0.0,
@@ -146,6 +150,11 @@ POLICY_UPDATE = Signature(
         # (AReaL), "tis" (truncated IS), "none"; "auto" is "decoupled" in an asynchronous run, else "none".
         Param("is_correction", "str", default="auto", choices=IS_CORRECTIONS),
         Param("is_cap", "float", default=5.0, limit=ABOVE_ZERO),  # the cap on the behaviour importance weight (AReaL: 5)
+        # ppo_clip: "sequence" is GSPO's ratio (pi/pi_old)^(1/|y|) for every token of a response, clipped as one
+        Param("ratio", "str", default="token", choices=RATIO_LEVELS),
+        # agg = "seq-mean-token-sum-norm": the constant the token sum is divided by (verl's loss_scale_factor; Dr.
+        # GRPO's max_tokens); 0: the batch's response width, as verl without it
+        Param("loss_scale_factor", "int", default=0, limit=Limit(0, why="0 divides by the batch's response width")),
     )
     + _TRAIN_COMMON,
     op="update",
@@ -179,10 +188,16 @@ REWARD_UPDATE = Signature(
 # A policy update's keys that only one loss reads: a node keeps those of its own loss (the others' defaults are
 # left out of its attrs, so a PPO graph prints as before), and writing another loss's key is an error.
 LOSS_KEYS: dict[str, tuple[str, ...]] = {
-    "ppo_clip": ("clip", "clip_high", "dual_clip", "kl_coef", "kl", "entropy_coef", "is_correction", "is_cap"),
+    "ppo_clip": ("clip", "clip_high", "dual_clip", "kl_coef", "kl", "entropy_coef", "is_correction", "is_cap",
+                 "ratio", "loss_scale_factor"),
+    # clip and clip_high bound CISPO's IS weight: [1 - clip, 1 + clip_high]
+    "cispo": ("clip", "clip_high", "kl_coef", "kl", "entropy_coef", "is_correction", "is_cap", "loss_scale_factor"),
     "dpo": ("beta", "dpo", "label_smoothing", "gamma", "eval_every"),
     "sft": ("eval_every",),
 }
+# Keys added after graphs were first printed: a node holds them only where the flow writes them (the runtime reads
+# the default otherwise, flowrl.ir.attrs), so every graph that does not use them prints as before.
+WRITTEN_ONLY = frozenset({"ratio", "loss_scale_factor"})
 
 # role -> method -> signature
 METHODS: dict[str, dict[str, Signature]] = {

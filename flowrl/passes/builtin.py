@@ -2,6 +2,7 @@
 
 from flowrl.passes import (  # noqa: F401  (registers them)
     async_rollout,
+    drop_reference,
     fuse_gen_inference,
     fuse_train,
     on_policy_logp,
@@ -9,4 +10,4 @@ from flowrl.passes import (  # noqa: F401  (registers them)
     share_prefix,
 )
 
-PIPELINE = ("on-policy-logp", "async-rollout", "share-prefix", "fuse-gen-inference", "score-tail", "fuse-train")
+PIPELINE = ("on-policy-logp", "drop-reference", "async-rollout", "share-prefix", "fuse-gen-inference", "score-tail", "fuse-train")

@@ -3,7 +3,8 @@
 Each stage is a run of its own (`runtime.runner.run`, a fresh backend) in OUT/stages/NAME/ (metrics.jsonl,
 checkpoints, graph.txt, trace.json); at its end its models' weights are saved to OUT/stages/NAME/models.pt. A model
 keeps its weights from the end of the last stage that had it; a model first used in a stage with `source = other`
-starts from `other`'s weights at the start of that stage (a critic or reward model takes their backbone); optimizer
+starts from `other`'s weights at the start of that stage (a critic or reward model takes their backbone); a model
+a stage declares but does not build (pass drop-reference) ends it with the weights it started with; optimizer
 state does not carry over. OUT/metrics.jsonl holds every stage's rows with "stage", "stage_step" and a pipeline-wide
 "step"; OUT/pipeline.json the stages, which are done, and notes.
 
@@ -31,6 +32,7 @@ from flowrl.errors import Diagnostic, FlowError
 from flowrl.ir.graph import Graph
 from flowrl.runtime import report
 from flowrl.runtime.carry import Weights, checkpoint_weights
+from flowrl.runtime.model_init import init_model
 from flowrl.runtime.protocol import Backend
 from flowrl.runtime.runner import last_checkpoint, run
 from flowrl.runtime.tracking import Draw
@@ -108,10 +110,13 @@ def run_pipeline(pipe: Pipeline, *, out_dir: str | Path, backend: Callable[[Stag
         _write_rows(out / "metrics.jsonl", [*before, *_tagged(stage, offset, kept)])
         entry.update(steps=stage.steps, done=False)
         _save_state(out, pipe, state, notes)
-        rows = _run_stage(stage, out, offset, backend(stage), init=start_weights(stage.graph, carried),
+        init = start_weights(stage.graph, carried)
+        rows = _run_stage(stage, out, offset, backend(stage), init=init,
                           resume=ckpt is not None, seed=seed, device=device,
                           bar=bar, draw=draw)
-        weights = checkpoint_weights(_final_checkpoint(sdir))
+        weights: dict[str, Weights] = {**checkpoint_weights(_final_checkpoint(sdir))}
+        later = {m.name for s in pipe.stages[order.index(stage.name) + 1:] for m in s.graph.models}
+        weights.update(unbuilt_weights(stage.graph, init, seed, later))
         _save_models(sdir, weights)
         carried.update(weights)
         before.extend(_tagged(stage, offset, rows))
@@ -135,6 +140,28 @@ def start_weights(graph: Graph, carried: Mapping[str, Weights]) -> dict[str, Wei
         return at_start(source) if source is not None else None
 
     return {m: w for m in decls if (w := at_start(m)) is not None}
+
+
+def unbuilt_weights(graph: Graph, start: Mapping[str, Weights], seed: int | None,
+                    later: set[str]) -> dict[str, Weights]:
+    """The weights a stage ends with for its models that no worker group built (pass drop-reference took an unread
+    reference out): those it started from, as an untrained model ends its stage. One that started from nothing
+    carried but `source = other`'s step-0 weights, and that a `later` stage holds, is rebuilt here on the
+    controller (`init_model`), so that stage starts it from them and not from `other`'s trained ones; one
+    without a source needs nothing, as a later stage rebuilds the same weights from the seed."""
+    built = {m for g in graph.worker_groups for m in g.models}
+    decls = {m.name: m for m in graph.models}
+    out: dict[str, Weights] = {}
+    for m in graph.models:
+        if m.name in built:
+            continue
+        if m.name in start:
+            out[m.name] = start[m.name]
+        elif m.source_model is not None and m.name in later:
+            run_seed = int(seed if seed is not None else str(graph.run.get("seed", 0)))
+            module = init_model(m, decls, run_seed).module
+            out[m.name] = {k: v.detach().cpu() for k, v in module.state_dict().items()}
+    return out
 
 
 def _run_stage(stage: Stage, out: Path, offset: int, backend: Backend, *, init: Mapping[str, Weights], resume: bool,

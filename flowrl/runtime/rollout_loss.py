@@ -46,13 +46,15 @@ def policy_micro_loss(module: torch.nn.Module, mb: Batch, *, device: torch.devic
     logp, entropy = packed or forward_logprobs_entropy(module, *inputs, temperature=safe_temp(temp),
                                                        with_grad=True)  # (B, T) each
     dev = device
+    if a.loss_scale_factor:  # agg = "seq-mean-token-sum-norm" over a constant (Dr. GRPO), not the batch's width
+        denoms = {**denoms, "horizon": float(a.loss_scale_factor)}
     return policy_loss(
         logp, mb["old_logp"].to(dev) if "old_logp" in mb.tensors else None, mb["advantages"].to(dev), mask,
         ref_logp=mb["ref_logp"].to(dev) if "ref_logp" in mb.tensors else None,
         behav_logp=mb["gen_logp"].to(dev) if "gen_logp" in mb.tensors else None,
         is_correction=a.correction, is_cap=a.is_cap, entropy=entropy, clip=a.clip,
         clip_high=a.clip_high, dual_clip=a.dual_clip, kl_coef=a.kl_coef, kl_kind=a.kl,
-        entropy_coef=a.entropy_coef, agg=a.agg, **denoms)
+        entropy_coef=a.entropy_coef, agg=a.agg, loss=a.loss, ratio=a.ratio, **denoms)
 
 
 def critic_micro_loss(module: torch.nn.Module, mb: Batch, *, device: torch.device, a: UpdateAttrs,

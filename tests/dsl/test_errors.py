@@ -271,7 +271,13 @@ TEMPLATE = [
         t.flow:5:5: error: unknown template `simpo`
             use simpo(reward = correct)
                 ^^^^^
-        hint: templates: dpo, grpo, ppo, reinforce_pp, reward_model, rloo, sft
+        hint: `simpo` is a kind of the `dpo` template: write `use dpo(dpo = "simpo")`
+    """),
+    (HEAD + "use sac(reward = correct)\n", """
+        t.flow:5:5: error: unknown template `sac`
+            use sac(reward = correct)
+                ^^^
+        hint: templates: cispo, dpo, dr_grpo, grpo, gspo, ppo, reinforce_pp, reward_model, rloo, sft
     """),
     (HEAD + "use grpo(reward = correct, ref = actor)\n", """
         t.flow:5:34: error: template `grpo` needs `ref` to be a reference model, but `actor` is a policy model

@@ -37,6 +37,13 @@ TABLE: dict[str, tuple[dict[str, str | None], dict[str, object]]] = {
              {"group": 4, "kl_coef": 0.001, "max_tokens": 256, "temperature": 1.0}),
     "reinforce_pp": ({"actor": "policy", "ref": "reference", "reward": None, "prompts": None},
                      {"n": 1, "kl_coef": 0.001, "gamma": 1.0, "max_tokens": 256, "temperature": 1.0}),
+    # the recipes' papers' defaults (each template's comment cites them)
+    "gspo": ({"actor": "policy", "ref": "reference", "reward": None, "prompts": None},
+             {"group": 8, "clip": 3e-4, "clip_high": 4e-4, "kl_coef": 0.0, "agg": "seq-mean-token-mean"}),
+    "dr_grpo": ({"actor": "policy", "ref": "reference", "reward": None, "prompts": None},
+                {"group": 8, "clip": 0.2, "kl_coef": 0.0, "max_tokens": 256}),
+    "cispo": ({"actor": "policy", "ref": "reference", "reward": None, "prompts": None},
+              {"group": 8, "clip": 1.0, "clip_high": 4.0, "kl_coef": 0.0, "agg": "token-mean"}),
 }
 
 
@@ -65,7 +72,7 @@ def test_stdlib_parameters_match_the_language_table(name: str, compile_ok: Compi
 
 
 def test_template_source_and_names() -> None:
-    assert stdlib_names() == ["dpo", "grpo", "ppo", "reinforce_pp", "reward_model", "rloo", "sft"]
+    assert stdlib_names() == ["cispo", "dpo", "dr_grpo", "grpo", "gspo", "ppo", "reinforce_pp", "reward_model", "rloo", "sft"]
     text = template_source("grpo")
     assert "template grpo(actor: policy, ref: reference, reward, prompts," in text
     assert "adv      = group_advantage(scores, group = group, turns = turns)" in text
@@ -107,11 +114,40 @@ def test_ppo_without_a_critic_is_a_template_error(compile_error: Check) -> None:
     assert "declare `model critic : critic { source = actor }`" in rendered
 
 
-@pytest.mark.parametrize("name", ["grpo", "ppo", "rloo", "reinforce_pp"])
+@pytest.mark.parametrize("name", ["grpo", "ppo", "rloo", "reinforce_pp", "gspo", "dr_grpo", "cispo"])
 def test_one_word_swaps_between_all_standard_templates(name: str, compile_ok: Compile) -> None:
     graph = compile_ok(DECLS + USE.format(name))
     assert graph.template == name
     assert graph.node("rollout").attrs["n"] == 8
+
+
+# The update's keys (and group_advantage's) each recipe changes from grpo, given examples/grpo_arith.flow's `use`;
+# every other node and attribute is grpo's. kl_coef = 0.05 is kept: it means what it means in grpo.
+ARITH_USE = "use {}(reward = correct, group = 8, max_tokens = 2, kl_coef = 0.05, temperature = 1.0)\n"
+RECIPES = {
+    "gspo": ({}, {"ratio": "sequence", "clip": 3e-4, "clip_high": 4e-4, "agg": "seq-mean-token-mean"}),
+    "dr_grpo": ({"norm_std": False}, {"agg": "seq-mean-token-sum-norm", "loss_scale_factor": 2}),
+    "cispo": ({}, {"loss": "cispo", "clip": 1.0, "clip_high": 4.0, "dual_clip": None}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_a_recipe_is_grpo_with_its_papers_loss(name: str, compile_ok: Compile) -> None:
+    grpo = _strip(to_json(compile_ok(DECLS + ARITH_USE.format("grpo"))))
+    recipe = _strip(to_json(compile_ok(DECLS + ARITH_USE.format(name))))
+    grpo_nodes = {n["id"]: n for n in grpo.pop("nodes")}
+    nodes = {n["id"]: n for n in recipe.pop("nodes")}
+    assert grpo == recipe and grpo_nodes.keys() == nodes.keys()
+    adv, update = RECIPES[name]
+    for node_id, changed in (("adv", adv), ("actor.update", update)):
+        want = {**grpo_nodes[node_id]["attrs"], **changed}
+        if "dual_clip" in changed:  # a key of ppo_clip that cispo does not read: left out of its attrs
+            del want["dual_clip"]
+        assert nodes[node_id]["attrs"] == want, node_id
+        assert nodes[node_id]["attrs"]["kl_coef" if node_id == "actor.update" else "group"] == (
+            0.05 if node_id == "actor.update" else 8)
+    for node_id in grpo_nodes.keys() - {"adv", "actor.update"}:
+        assert grpo_nodes[node_id] == nodes[node_id], node_id
 
 
 def test_explicit_binding_and_reward_model(compile_ok: Compile) -> None:
@@ -176,3 +212,18 @@ use t()
 def test_literal_for_a_model_parameter(compile_error: Check) -> None:
     assert compile_error(DECLS + "use grpo(reward = correct, actor = 3)\n").startswith(
         "t.flow:6:36: error: template `grpo` needs `actor` to be a policy model, but the argument is a literal")
+
+
+def test_show_lists_each_template_with_its_one_line_description(capsys: pytest.CaptureFixture[str]) -> None:
+    from flowrl.cli import main
+    from flowrl.dsl.templates import template_summary
+
+    assert template_summary("dr_grpo") == ("Dr. GRPO (Liu et al., 2025, arXiv:2503.20783): GRPO without its length and "
+                                           "question-difficulty biases.")  # the first line: a sentence of its own
+    assert template_summary("rloo") == ("RLOO (Ahmadian et al., 2024): `group` samples per prompt; each response's "
+                                        "baseline is the mean reward of the other responses to the same prompt.")
+    assert main(["show"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in lines] == stdlib_names()
+    assert "gspo          GSPO (Zheng et al., 2025, arXiv:2507.18071): GRPO with the importance ratio and its clip " \
+           "taken per sequence." in lines

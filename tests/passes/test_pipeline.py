@@ -15,11 +15,11 @@ from flowrl.viz.views import draw
 from .conftest import run_steps
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
-PASSES = ["on-policy-logp", "async-rollout", "share-prefix", "fuse-gen-inference", "fuse-train"]
+PASSES = ["on-policy-logp", "drop-reference", "async-rollout", "share-prefix", "fuse-gen-inference", "fuse-train"]
 
 
 def test_registered_in_pipeline_order_and_on_by_default() -> None:
-    assert names()[: len(PASSES) + 1] == [*PASSES[:4], "score-tail", PASSES[4]]
+    assert names()[: len(PASSES) + 1] == [*PASSES[:5], "score-tail", PASSES[5]]
     assert [p.name for p in select()][: len(PASSES)] == PASSES
     assert all(p.default for p in REGISTRY if p.name in PASSES)
 
@@ -36,8 +36,9 @@ def test_each_pass_switches_off(off: str) -> None:
     g = compile_file(str(EXAMPLES / "longtail_ppo.flow"), no_pass=[off])
     assert [p.name for p in g.passes] == [p for p in PASSES if p != off]
     attr = {"share-prefix": "share_prefix", "fuse-gen-inference": "stream_chunk", "fuse-train": "schedule",
-            "on-policy-logp": "old_logp", "async-rollout": "phase"}[off]
-    assert not any(attr in n.attrs for n in g.nodes)
+            "on-policy-logp": "old_logp", "async-rollout": "phase", "drop-reference": None}[off]
+    assert attr is None or not any(attr in n.attrs for n in g.nodes)  # drop-reference marks nothing (kl_coef > 0)
+    assert g.has_node("ref_logp")
 
 
 def test_explain_says_what_each_pass_did(capsys: pytest.CaptureFixture[str]) -> None:
