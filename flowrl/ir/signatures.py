@@ -146,6 +146,8 @@ POLICY_UPDATE = Signature(
         # (AReaL), "tis" (truncated IS), "none"; "auto" is "decoupled" in an asynchronous run, else "none".
         Param("is_correction", "str", default="auto", choices=IS_CORRECTIONS),
         Param("is_cap", "float", default=5.0, limit=ABOVE_ZERO),  # the cap on the behaviour importance weight (AReaL: 5)
+        # DAPO's overlong filtering: samples cut at max_tokens without EOS are masked out of the loss
+        Param("mask_truncated", "bool", default=False),
     )
     + _TRAIN_COMMON,
     op="update",
@@ -179,10 +181,15 @@ REWARD_UPDATE = Signature(
 # A policy update's keys that only one loss reads: a node keeps those of its own loss (the others' defaults are
 # left out of its attrs, so a PPO graph prints as before), and writing another loss's key is an error.
 LOSS_KEYS: dict[str, tuple[str, ...]] = {
-    "ppo_clip": ("clip", "clip_high", "dual_clip", "kl_coef", "kl", "entropy_coef", "is_correction", "is_cap"),
+    "ppo_clip": ("clip", "clip_high", "dual_clip", "kl_coef", "kl", "entropy_coef", "is_correction", "is_cap",
+                 "mask_truncated"),
     "dpo": ("beta", "dpo", "label_smoothing", "gamma", "eval_every"),
     "sft": ("eval_every",),
 }
+
+# Keys added after graphs were first printed: a node holds them only where the flow writes them (the runtime reads
+# the default otherwise), so every graph that does not use them prints as before.
+WRITTEN_ONLY = frozenset({"mask_truncated", "overlong_buffer", "overlong_penalty"})
 
 # role -> method -> signature
 METHODS: dict[str, dict[str, Signature]] = {
@@ -194,6 +201,9 @@ METHODS: dict[str, dict[str, Signature]] = {
 
 # Credit of the group advantages: one advantage per trajectory, or per turn (flowrl.algos.turn_advantages).
 TURNS = ("trajectory", "turn")
+# filter_groups (DAPO's dynamic sampling): "mixed" keeps the groups whose samples' total scores differ, "all" every
+# group; = flowrl.algos.dapo.KEEP (ir sits below algos; a test keeps them equal)
+KEEP_GROUPS = ("mixed", "all")
 
 # Built-in step functions (implemented in flowrl.runtime.functions). User functions registered with
 # `@flowrl.function` get a signature built from their Python signature.
@@ -225,10 +235,27 @@ FUNCTIONS: dict[str, Signature] = {
          Param("kl", "str", default="k1", choices=KL_KINDS)),
         op="fn",
     ),
+    # DAPO's dynamic sampling (flowrl.runtime.refill): the rollout's groups whose samples did not all score the same,
+    # `batch` of them (0: the prompts a step draws), drawing more prompts, at most `max_gen_batches` draws a step
+    "filter_groups": Signature(
+        "filter_groups",
+        (_n("rollout"), _n("scores"), Param("keep", "str", default="mixed", choices=KEEP_GROUPS),
+         Param("batch", "int", default=0, limit=Limit(0, why="0 trains on as many groups as a step draws prompts")),
+         Param("max_gen_batches", "int", default=10, limit=Limit(1, why="each step draws its prompts at least "
+                                                                       "once; verl's 0 (no limit) could loop forever "
+                                                                       "once every group scores alike"))),
+        op="fn",
+    ),
 }
 
-# A reward (declared with `reward NAME = ...`) is called as `NAME(rollout)`.
-REWARD = Signature("reward", (_n("rollout"),), op="reward")
+# A reward (declared with `reward NAME = ...`) is called as `NAME(rollout)`. DAPO's soft overlong punishment
+# (flowrl.algos.dapo.overlong_penalty) adds 0 down to -overlong_penalty over the last `overlong_buffer` tokens
+# before the generation's max_tokens (0: off).
+REWARD = Signature("reward", (
+    _n("rollout"),
+    Param("overlong_buffer", "int", default=0, limit=Limit(0, why="0 punishes no length")),
+    Param("overlong_penalty", "float", default=1.0, limit=Limit(0, why="the reward a response at max_tokens loses")),
+), op="reward")
 
 
 # Keys the passes add to nodes (never written in a flow), with the value a node without the key has.

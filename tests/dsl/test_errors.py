@@ -271,7 +271,7 @@ TEMPLATE = [
         t.flow:5:5: error: unknown template `simpo`
             use simpo(reward = correct)
                 ^^^^^
-        hint: templates: dpo, grpo, ppo, reinforce_pp, reward_model, rloo, sft
+        hint: templates: dapo, dpo, grpo, ppo, reinforce_pp, reward_model, rloo, sft
     """),
     (HEAD + "use grpo(reward = correct, ref = actor)\n", """
         t.flow:5:34: error: template `grpo` needs `ref` to be a reference model, but `actor` is a policy model

@@ -37,6 +37,8 @@ TABLE: dict[str, tuple[dict[str, str | None], dict[str, object]]] = {
              {"group": 4, "kl_coef": 0.001, "max_tokens": 256, "temperature": 1.0}),
     "reinforce_pp": ({"actor": "policy", "ref": "reference", "reward": None, "prompts": None},
                      {"n": 1, "kl_coef": 0.001, "gamma": 1.0, "max_tokens": 256, "temperature": 1.0}),
+    "dapo": ({"actor": "policy", "ref": "reference", "reward": None, "prompts": None},
+             {"group": 8, "clip": 0.2, "kl_coef": 0.0, "max_tokens": 256, "temperature": 1.0}),
 }
 
 
@@ -65,7 +67,7 @@ def test_stdlib_parameters_match_the_language_table(name: str, compile_ok: Compi
 
 
 def test_template_source_and_names() -> None:
-    assert stdlib_names() == ["dpo", "grpo", "ppo", "reinforce_pp", "reward_model", "rloo", "sft"]
+    assert stdlib_names() == ["dapo", "dpo", "grpo", "ppo", "reinforce_pp", "reward_model", "rloo", "sft"]
     text = template_source("grpo")
     assert "template grpo(actor: policy, ref: reference, reward, prompts," in text
     assert "adv      = group_advantage(scores, group = group, turns = turns)" in text
@@ -107,7 +109,7 @@ def test_ppo_without_a_critic_is_a_template_error(compile_error: Check) -> None:
     assert "declare `model critic : critic { source = actor }`" in rendered
 
 
-@pytest.mark.parametrize("name", ["grpo", "ppo", "rloo", "reinforce_pp"])
+@pytest.mark.parametrize("name", ["grpo", "ppo", "rloo", "reinforce_pp", "dapo"])
 def test_one_word_swaps_between_all_standard_templates(name: str, compile_ok: Compile) -> None:
     graph = compile_ok(DECLS + USE.format(name))
     assert graph.template == name
