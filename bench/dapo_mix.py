@@ -141,6 +141,8 @@ def main() -> None:
     ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
     ap.add_argument("--out", type=Path, default=Path("/tmp/dapo_mix"))
     ap.add_argument("--plot", type=Path, default=None, help="draw the curves into this file (svg or png)")
+    ap.add_argument("--also", type=Path, nargs="*", default=[],
+                    help="other runs' results.json to draw too (a longer arm replaces that arm's shorter runs)")
     args = ap.parse_args()
     results = args.out / "results.json"
     runs: list[dict[str, Any]] = json.loads(results.read_text()) if results.exists() else []
@@ -157,7 +159,12 @@ def main() -> None:
             print(f"{arm} K={k} seed {seed}: final {statistics.mean(r['reward_mean'] for r in x['rows'][-LAST:]):.3f}"
                   f"  {sum(r['gen_tokens'] for r in x['rows']):.0f} tokens  {x['wall_s']:.0f} s", flush=True)
     if args.plot is not None:
-        plot(runs, args.plot)
+        drawn = list(runs)
+        for extra in args.also:
+            more = json.loads(extra.read_text())
+            arms = {(x["arm"], x["k"]) for x in more}
+            drawn = [x for x in drawn if (x["arm"], x["k"]) not in arms] + more
+        plot(drawn, args.plot)
     (args.out / "summary.json").write_text(json.dumps(summary(runs), indent=1))
     print(json.dumps(summary(runs), indent=1))
 

@@ -60,12 +60,13 @@ def run_filter(host: RefillHost, node: Node, values: dict[str, Batch], step: int
     rounds_max = int(str(node.attrs.get("max_gen_batches", 10)))
     draws: list[dict[str, Batch]] = [{n.id: values[n.id] for n in loop}]
     kept: list[list[int]] = []  # each draw's kept group ids, in order
-    dropped = 0
+    dropped = equal = 0
     while True:
-        scores = draws[-1][scores_id]
-        ids, gone = kept_groups(trajectory_returns(scores), _group_ids(draws[-1][rollout_id]), keep)
+        returns, group_ids = trajectory_returns(draws[-1][scores_id]), _group_ids(draws[-1][rollout_id])
+        ids, gone = kept_groups(returns, group_ids, keep)
         kept.append([int(g) for g in ids])
         dropped += gone
+        equal += len(group_ids.unique()) - len(kept_groups(returns, group_ids, "mixed")[0])
         if sum(map(len, kept)) >= want or len(draws) >= rounds_max:
             break
         fresh, spent = host.run_round(loop, step, len(draws))
@@ -81,6 +82,7 @@ def run_filter(host: RefillHost, node: Node, values: dict[str, Batch], step: int
     result.metrics.update({
         "filter/kept_groups": float(len(groups)),
         "filter/dropped_all_equal": float(dropped),
+        "filter/all_equal_groups": float(equal),  # drawn groups whose samples all scored alike, kept or not
         "filter/gen_rounds": float(len(draws)),
         "filter/drawn_groups": float(sum(d[data_id].size for d in draws)),
         "filter/short_groups": float(want - len(groups)),  # > 0: max_gen_batches ran out before the batch filled

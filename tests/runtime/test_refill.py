@@ -88,7 +88,7 @@ def test_only_groups_that_scored_differently_train_and_every_draw_is_consumed(da
                 set(zip(rollout.meta["prompt"], rollout.meta["response"], strict=True))
             mixed = sum(1 for g in rollout["group_id"].unique()
                         if scored["scores"][rollout["group_id"] == g].unique().numel() > 1)
-            assert m["filter/dropped_all_equal"] == 4 * rounds - mixed
+            assert m["filter/dropped_all_equal"] == 4 * rounds - mixed == m["filter/all_equal_groups"]
             assert m["filter/surplus_groups"] == mixed - k
             assert ("actor/loss" in m) == (k > 0)  # an update ran on what was kept
             assert m["reward_mean"] == pytest.approx(float(scored["scores"].mean()))  # over all that was generated
