@@ -33,6 +33,8 @@ from . import ast
 from .dag import cycle_through, strongly_connected, topological
 from .diagnostics import Reporter, Source, did_you_mean, one_of
 from .keys import out_of_limit
+from .refill import mark_loops
+from .shaping import check_overlong
 from .values import (
     KIND_NAMES,
     Binding,
@@ -137,7 +139,9 @@ class StepLowering:
         cyclic = self._check_cycles(body, pending, bound)
         if cyclic or failed or len(self.rep.diagnostics) > before:  # (a statement may fail on an Unbound silently)
             return []
-        return self._ordered(body, pending, used_data)
+        nodes = self._ordered(body, pending, used_data)
+        check_overlong(self.rep, nodes, self.written)
+        return mark_loops(self.rep, body.src, body.stmts, body.env, nodes, self.written)  # dynamic sampling
 
     # ---- names ----------------------------------------------------------------------------------
 
@@ -394,7 +398,7 @@ class StepLowering:
                     self.rep.error(body.src, f"missing required argument `{param.name}` of `{what}`", call.callee,
                                    hint=f"add `{param.name} = {placeholder}`")
                     ok = False
-                elif param.kind != "node" and not (sig is METHODS["policy"]["update"] and param.name in WRITTEN_ONLY):
+                elif param.kind != "node" and param.name not in WRITTEN_ONLY:
                     p.attrs[param.name] = param.default
                     self.written[(p.id, param.name)] = (body.src, call.callee)
                 continue

@@ -49,7 +49,7 @@ def template_summary(name: str, width: int = 100) -> str:
     """One line on what standard template `name` is: the first sentence of its file's leading comment, cut at a
     word within `width` characters ("" when the file opens with no comment)."""
     text = " ".join(part for part in leading_comment(template_source(name)) if part)
-    first = re.split(r"(?<=\.)\s+(?=[A-Z`(])", text, maxsplit=1)[0]
+    first = re.split(r"(?<=\.)(?<!Dr\.)(?<!al\.)\s+(?=[A-Z`(])", text, maxsplit=1)[0]  # "Dr. GRPO" goes on
     if len(first) <= width:
         return first
     depth, clauses = 0, []  # where a clause ends outside brackets: a cut there reads best, when it keeps enough

@@ -155,6 +155,8 @@ POLICY_UPDATE = Signature(
         # agg = "seq-mean-token-sum-norm": the constant the token sum is divided by (verl's loss_scale_factor; Dr.
         # GRPO's max_tokens); 0: the batch's response width, as verl without it
         Param("loss_scale_factor", "int", default=0, limit=Limit(0, why="0 divides by the batch's response width")),
+        # DAPO's overlong filtering: samples cut at max_tokens without EOS are masked out of the loss
+        Param("mask_truncated", "bool", default=False),
     )
     + _TRAIN_COMMON,
     op="update",
@@ -189,15 +191,16 @@ REWARD_UPDATE = Signature(
 # left out of its attrs, so a PPO graph prints as before), and writing another loss's key is an error.
 LOSS_KEYS: dict[str, tuple[str, ...]] = {
     "ppo_clip": ("clip", "clip_high", "dual_clip", "kl_coef", "kl", "entropy_coef", "is_correction", "is_cap",
-                 "ratio", "loss_scale_factor"),
+                 "ratio", "loss_scale_factor", "mask_truncated"),
     # clip and clip_high bound CISPO's IS weight: [1 - clip, 1 + clip_high]
-    "cispo": ("clip", "clip_high", "kl_coef", "kl", "entropy_coef", "is_correction", "is_cap", "loss_scale_factor"),
+    "cispo": ("clip", "clip_high", "kl_coef", "kl", "entropy_coef", "is_correction", "is_cap", "loss_scale_factor",
+              "mask_truncated"),
     "dpo": ("beta", "dpo", "label_smoothing", "gamma", "eval_every"),
     "sft": ("eval_every",),
 }
 # Keys added after graphs were first printed: a node holds them only where the flow writes them (the runtime reads
 # the default otherwise, flowrl.ir.attrs), so every graph that does not use them prints as before.
-WRITTEN_ONLY = frozenset({"ratio", "loss_scale_factor"})
+WRITTEN_ONLY = frozenset({"ratio", "loss_scale_factor", "mask_truncated", "overlong_buffer", "overlong_penalty"})
 
 # role -> method -> signature
 METHODS: dict[str, dict[str, Signature]] = {
@@ -209,6 +212,9 @@ METHODS: dict[str, dict[str, Signature]] = {
 
 # Credit of the group advantages: one advantage per trajectory, or per turn (flowrl.algos.turn_advantages).
 TURNS = ("trajectory", "turn")
+# filter_groups (DAPO's dynamic sampling): "mixed" keeps the groups whose samples' total scores differ, "all" every
+# group; = flowrl.algos.dapo.KEEP (ir sits below algos; a test keeps them equal)
+KEEP_GROUPS = ("mixed", "all")
 
 # Built-in step functions (implemented in flowrl.runtime.functions). User functions registered with
 # `@flowrl.function` get a signature built from their Python signature.
@@ -240,10 +246,27 @@ FUNCTIONS: dict[str, Signature] = {
          Param("kl", "str", default="k1", choices=KL_KINDS)),
         op="fn",
     ),
+    # DAPO's dynamic sampling (flowrl.runtime.refill): the rollout's groups whose samples did not all score the same,
+    # `batch` of them (0: the prompts a step draws), drawing more prompts, at most `max_gen_batches` draws a step
+    "filter_groups": Signature(
+        "filter_groups",
+        (_n("rollout"), _n("scores"), Param("keep", "str", default="mixed", choices=KEEP_GROUPS),
+         Param("batch", "int", default=0, limit=Limit(0, why="0 trains on as many groups as a step draws prompts")),
+         Param("max_gen_batches", "int", default=10, limit=Limit(1, why="each step draws its prompts at least "
+                                                                       "once; verl's 0 (no limit) could loop forever "
+                                                                       "once every group scores alike"))),
+        op="fn",
+    ),
 }
 
-# A reward (declared with `reward NAME = ...`) is called as `NAME(rollout)`.
-REWARD = Signature("reward", (_n("rollout"),), op="reward")
+# A reward (declared with `reward NAME = ...`) is called as `NAME(rollout)`. DAPO's soft overlong punishment
+# (flowrl.algos.dapo.overlong_penalty) adds 0 down to -overlong_penalty over the last `overlong_buffer` tokens
+# before the generation's max_tokens (0: off).
+REWARD = Signature("reward", (
+    _n("rollout"),
+    Param("overlong_buffer", "int", default=0, limit=Limit(0, why="0 punishes no length")),
+    Param("overlong_penalty", "float", default=1.0, limit=Limit(0, why="the reward a response at max_tokens loses")),
+), op="reward")
 
 
 # Keys the passes add to nodes (never written in a flow), with the value a node without the key has.

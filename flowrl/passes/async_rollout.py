@@ -86,6 +86,11 @@ def async_rollout(graph: Graph) -> tuple[Graph, list[str]]:
     rewritten[gen.id] = rewritten[gen.id].with_attrs(max_staleness=k)
     notes = [f"{gen.id}: generates step t + {k} while step t trains ({', '.join(n.id for n in ahead)} run ahead "
              f"on {gen.worker_group} and the controller); batch t uses the weights of update t - {k + 1}"]
+    for f in ahead:  # dynamic sampling (dsl.refill)
+        loop = f.attrs.get("refill")
+        if isinstance(loop, tuple) and loop:
+            notes.append(f"{f.id}: its refill draws ({', '.join(map(str, loop))}) run ahead too, so drawing more "
+                         "prompts overlaps training instead of stalling it")
     for n in graph.nodes:
         if n.id in ids:
             continue

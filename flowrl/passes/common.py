@@ -33,6 +33,19 @@ def scored_beside(graph: Graph, reward: Node) -> bool:
     return decl.kind == "http" or int(str(decl.options.get("workers", 0) or 0)) > 0
 
 
+def filters_over(graph: Graph, gen: Node) -> list[Node]:
+    """The dynamic-sampling filters (`filter_groups`, dsl.refill) of `gen`'s rollout: their output is some of its
+    groups, the same samples with the same prompts."""
+    return [n for n in graph.nodes if n.op == "fn" and n.attrs.get("fn") == "filter_groups"
+            and n.input("rollout") == gen.id]
+
+
+def over_kept(graph: Graph, gen: Node) -> list[Node]:
+    """The forwards and updates that read a filter of `gen`'s rollout (its kept groups), in schedule order."""
+    kept = {f.id for f in filters_over(graph, gen)}
+    return [n for n in graph.nodes if n.op in (*FORWARD_OPS, "update") and n.input("rollout") in kept]
+
+
 def updates_over(graph: Graph, gen: Node) -> list[Node]:
     """The update nodes that train on `gen`'s rollout, in schedule order."""
     return [n for n in graph.nodes if n.op == "update" and n.input("rollout") == gen.id]

@@ -28,7 +28,7 @@ from collections.abc import Mapping
 
 from flowrl.ir.attrs import GenerateAttrs
 from flowrl.ir.graph import Graph, Node
-from flowrl.passes.common import forwards_over, position, rewards_over, rollouts, scored_beside
+from flowrl.passes.common import forwards_over, over_kept, position, rewards_over, rollouts, scored_beside
 from flowrl.passes.registry import register
 
 MIN_STREAM_TOKENS = 16  # shorter responses all finish within a few steps: nothing worth streaming
@@ -120,6 +120,10 @@ def fuse_gen_inference(graph: Graph) -> tuple[Graph, list[str]]:
     notes: list[str] = []
     rewritten: dict[str, Node] = {}
     for gen in rollouts(graph):
+        for forward in (n for n in over_kept(graph, gen) if n.op != "update"):
+            # Dynamic sampling: which groups it reads is known once the whole draw is generated and scored.
+            notes.append(f"{forward.id}: not fused with {gen.id}: it reads {forward.input('rollout')}, the groups "
+                         f"filter_groups keeps, known only once every sample of a draw is generated and scored")
         reason = why_not_stream(graph, gen)
         if reason is not None:
             notes.append(f"{gen.id}: not fused: {reason}")

@@ -17,7 +17,7 @@ from flowrl.data.tables import prompt_plain, read_data
 from flowrl.errors import DataError
 from flowrl.ir.attrs import GenerateAttrs
 from flowrl.ir.graph import Graph, Node
-from flowrl.passes.common import FORWARD_OPS, DataPrompts, forwards_over, rollouts, updates_over
+from flowrl.passes.common import FORWARD_OPS, DataPrompts, forwards_over, over_kept, rollouts, updates_over
 from flowrl.passes.registry import register
 
 PAIR_LOSSES = ("dpo", "bradley_terry")  # losses on preference pairs (flowrl.runtime.preference_update)
@@ -128,7 +128,8 @@ def share_prompt_prefix(graph: Graph) -> tuple[Graph, list[str]]:
         if reason is not None:
             notes.append(f"{gen.id}: not shared: {reason}")
             continue
-        users = [gen, *forwards_over(graph, gen), *updates_over(graph, gen)]
+        # the kept groups of a dynamic-sampling filter are the rollout's samples: their forwards share alike
+        users = [gen, *forwards_over(graph, gen), *updates_over(graph, gen), *over_kept(graph, gen)]
         shared = _mark(graph, users, marked, notes)
         notes.append(f"{gen.id}: {_reason(graph, gen, prompts_of(graph, gen))}: prefixes computed once in "
                      f"{', '.join(shared)}")

@@ -140,12 +140,14 @@ UPDATE_FIELDS = {"old_logp": "logp", "ref_logp": "logp", "advantages": "advantag
                  "values": "values"}
 
 
-def training_batch(inputs: Mapping[str, Batch]) -> Batch:
+def training_batch(inputs: Mapping[str, Batch], *, mask_truncated: bool = False) -> Batch:
     """An update node's inputs as one batch: the rollout's fields the update reads, and each other input under
     its parameter name (its value field: `old_logp` is a log-prob forward's `logp`, ...). A data node's batch (no
     response tensors: sft, dpo, bradley_terry) keeps its rows for the worker to tokenise; an input with two rows
     per data row (a forward over preference pairs: chosen at 2i, rejected at 2i + 1) comes as one (2, ...) block
-    per pair, so shuffling and splitting the rows keeps each pair's two rows with it."""
+    per pair, so shuffling and splitting the rows keeps each pair's two rows with it. `mask_truncated` (DAPO's
+    overlong filtering): the responses the rollout marks `truncated` (cut at max_tokens without EOS) get a
+    `loss_mask` of 0, so the loss, its denominators and its metrics leave them out."""
     rollout = inputs["rollout"]
     if "response_ids" not in rollout.tensors:
         return _rows_batch(rollout, {k: v for k, v in inputs.items() if k != "rollout"})
@@ -155,6 +157,9 @@ def training_batch(inputs: Mapping[str, Batch]) -> Batch:
         if param == "rollout":
             continue
         tensors[param] = batch.value(param if param in batch.tensors else UPDATE_FIELDS.get(param))
+    if mask_truncated and "truncated" in rollout.tensors:
+        trained = tensors.get("loss_mask", tensors["response_mask"])  # (B, T)
+        tensors["loss_mask"] = trained * (~rollout["truncated"].bool()).to(trained.dtype)[:, None]
     return Batch(rollout.size, tensors, {}, None)
 
 

@@ -20,6 +20,7 @@ from flowrl.engines.chunked_generation import GenChunk, Sampling, Tail
 from flowrl.ir.attrs import GenerateAttrs
 from flowrl.models.tokenizer import Tokenizer
 from flowrl.runtime.batch import Batch
+from flowrl.runtime.shaping import ended_with
 
 STREAMS = ("generate_stream", "resume_stream")  # worker methods that yield items (RankGroup.on_rank streams)
 SCRATCH = ("sample", "pad")  # per-chunk bookkeeping tensors, dropped when chunks are assembled
@@ -60,7 +61,8 @@ def chunk_batches(stream: Iterator[GenChunk | Tail], tok: Tokenizer,
             "group_id": item.samples.cpu() // n, "temperature": torch.full((size,), temperature),
             "gen_logp": item.logprobs.cpu(), "sample": item.samples.cpu(), "pad": torch.full((size,), tok.pad_id),
         }
-        if item.final:
+        if item.final:  # cut at max_tokens: no EOS (as `ModelWorker.generate` marks it)
+            tensors["truncated"] = ~ended_with(tensors["response_ids"], tensors["response_mask"], tok.eos_id)
             yield Batch(size, tensors, {"response": responses}, primary="response_ids")
         else:
             yield Growing(Batch(size, tensors, {}, primary="response_ids"))

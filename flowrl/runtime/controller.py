@@ -4,8 +4,10 @@ group and running data, reward and step-function nodes itself. Every node is tim
 
 from __future__ import annotations
 
+import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,7 +24,9 @@ from flowrl.runtime.fusion import StageRun, run_stage
 from flowrl.runtime.lengths import LengthTracker
 from flowrl.runtime.preference_update import EVAL_REF, held_out_forward
 from flowrl.runtime.protocol import RankLostError, WorkerGroup
+from flowrl.runtime.refill import is_filter, run_filter, starved
 from flowrl.runtime.scoring import Scorer
+from flowrl.runtime.shaping import response_metrics, shaped_scores
 
 MAX_STAGE_RETRIES = 3  # a fused stage re-run after lost ranks: a rank that keeps dying is a bug, not bad luck
 
@@ -64,10 +68,29 @@ class Controller:
         self.step_now = 0  # the step run_nodes runs (a held-out evaluation's `eval_every` counts it)
         self.last_step: int | None = None  # the run's last step, which evaluates held-out rows whatever `eval_every`
         self.held_out_ref: dict[str, torch.Tensor] = {}  # a frozen reference's log-probs of held-out rows, by node
+        self.drawing = threading.local()  # `.round`: the refill draw the calling thread runs (flowrl.runtime.refill)
 
     def step_seed(self, step: int, node: Node) -> int:
-        # A seed per (step, node) makes a resumed run draw the same samples as an uninterrupted one.
-        return (self.seed * 7_919 + step * 104_729 + sum(map(ord, node.id))) % (2**31)
+        # A seed per (step, refill draw, node) makes a resumed run draw the same samples as an uninterrupted one.
+        draw = getattr(self.drawing, "round", 0)
+        return (self.seed * 7_919 + step * 104_729 + draw * 1_299_709 + sum(map(ord, node.id))) % (2**31)
+
+    def run_round(self, nodes: Sequence[Node], step: int, round: int) -> tuple[dict[str, Batch], StepResult]:
+        """Dynamic sampling's draw `round` (1, 2, ...) of step `step`: `nodes` (a filter's loop) run again on fresh
+        values, with that draw's seeds; their values, spans and metrics (flowrl.runtime.refill)."""
+        values: dict[str, Batch] = {}
+        result = StepResult({})
+        with self._drawing(round):
+            self.run_nodes(nodes, values, step, result)
+        return values, result
+
+    @contextmanager
+    def _drawing(self, round: int) -> Iterator[None]:
+        self.drawing.round = round
+        try:
+            yield
+        finally:
+            self.drawing.round = 0
 
     def step(self, step: int) -> StepResult:
         values: dict[str, Batch] = {}
@@ -84,10 +107,17 @@ class Controller:
         for node in nodes:
             if node.id in finished:  # already ran as a member of a fused stage
                 continue
+            skipped = starved(self.graph, node, values)  # it reads no samples: a filter kept no group
+            if skipped:
+                finished.update(n.id for n in skipped)
+                values.update({n.id: Batch(0) for n in skipped if n.op != "update"})
+                continue
             start = time.perf_counter()
             try:
                 if node.attrs.get("fusion"):  # a fused stage (passes fuse-*): all its members run now
                     ran = self._stage(node, values, step, result.metrics)
+                elif is_filter(node):  # dynamic sampling: it may draw more prompts (flowrl.runtime.refill)
+                    ran = [StageRun(node, run_filter(self, node, values, step, result), start, None)]
                 else:
                     ran = [StageRun(node, self.run_node(node, values, step, result.metrics), start, None)]
             except FlowError as e:
@@ -173,7 +203,7 @@ class Controller:
             return _prompt_batch(self.loaders[node.id])
         if node.op == "reward":
             name = str(attrs["fn"])
-            return self.rewards[name].score(inputs["rollout"])
+            return shaped_scores(self.graph, node, inputs["rollout"], self.rewards[name].score(inputs["rollout"]))
         if node.op == "fn":
             return call_function(str(attrs["fn"]), inputs, attrs)
         group = self.groups[node.worker_group]
@@ -185,7 +215,7 @@ class Controller:
             return group.call(node.op, node.model, inputs["rollout"], attrs,
                               dispatch=node.dispatch).result()
         if node.op == "update":
-            batch = training_batch(inputs)
+            batch = training_batch(inputs, mask_truncated=bool(attrs.get("mask_truncated")))
             out = group.call("update", node.model, batch, attrs, dispatch=node.dispatch,
                              step_seed=self.step_seed(step, node)).result()
             self.record_update(node, out, metrics)
@@ -257,6 +287,7 @@ def _summary(graph: Graph, values: Mapping[str, Batch]) -> dict[str, float]:
         out["gen_tokens"] = float(lens.sum())
         if "env_turns" in rollout.tensors:
             out.update(env_metrics(rollout))
+        out.update(response_metrics(graph, rollout, values))  # response/clip_ratio, the overlong penalty
     for n in graph.nodes:
         if n.op in ("reward", "score") and n.id in values:
             out[f"reward/{n.id}"] = float(values[n.id]["scores"].mean())
@@ -266,7 +297,8 @@ def _summary(graph: Graph, values: Mapping[str, Batch]) -> dict[str, float]:
         out["reward_std"] = float(headline.std()) if headline.numel() > 1 else 0.0
     for n in graph.nodes:
         old, ref = n.input("old_logp"), n.input("ref_logp")
-        if n.op == "update" and old is not None and ref is not None and old in values and ref in values:
+        if n.op == "update" and old is not None and ref is not None and old in values and ref in values \
+                and values[old].size:  # (a step that trained nothing: empty, flowrl.runtime.refill)
             trained = "loss_mask" if "loss_mask" in values[old].tensors else "response_mask"
             mask = values[old][trained].float()
             diff = (values[old].value("logp") - values[ref].value("logp")) * mask

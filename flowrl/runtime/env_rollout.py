@@ -174,6 +174,7 @@ def rollout_batch(out: TurnOutput, tokenizer: Tokenizer, prompts: Batch, tempera
         "gen_idle_s": torch.full((size,), out.idle_s / max(size, 1)),
         "gen_wall_s": torch.full((size,), out.wall_s / max(size, 1)),
         "group_id": index.clone(), "temperature": torch.full((size,), temperature),
+        "truncated": torch.tensor([e == "length" for e in out.ended], dtype=torch.bool),  # ran out of tokens
     }
     meta = {k: [v[i] for i in rows] for k, v in prompts.meta.items()}
     meta["response"] = responses

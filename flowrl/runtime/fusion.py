@@ -24,6 +24,7 @@ from flowrl.runtime.env_rollout import env_spec_of
 from flowrl.runtime.gen_infer import GenInfer
 from flowrl.runtime.protocol import StreamedStage, WorkerGroup
 from flowrl.runtime.scoring import Pending, Scorer
+from flowrl.runtime.shaping import shaped_scores
 
 
 @dataclass(frozen=True)
@@ -124,6 +125,7 @@ def _gen_infer(ctl: StageHost, gen: Node, members: list[Node], values: dict[str,
         ran.append(StageRun(n, outs[n.id], first, max((t.end for t in spans), default=first)))
     for n in rewards:
         out, began = scoring.collect(n.id, rollout)
+        out = shaped_scores(ctl.graph, n, rollout, out)  # DAPO's overlong shaping, as unfused
         ran.append(StageRun(n, out, began if began is not None else start, time.perf_counter()))
     return ran
 
@@ -171,7 +173,8 @@ class _Scoring:
 def _train(ctl: StageHost, stage: list[Node], values: dict[str, Batch], step: int,
            metrics: dict[str, float]) -> list[StageRun]:
     start = time.perf_counter()
-    batches = [training_batch({p: values[src] for p, src in n.inputs}) for n in stage]
+    batches = [training_batch({p: values[src] for p, src in n.inputs}, mask_truncated=bool(n.attrs.get("mask_truncated")))
+               for n in stage]
     seeds = [ctl.step_seed(step, n) for n in stage]
     group = ctl.groups[stage[0].worker_group]
     one_holder = group.colocated([str(n.model) for n in stage])

@@ -43,6 +43,7 @@ from flowrl.runtime.preference_update import PairUpdate, evaluate, is_data_batch
 from flowrl.runtime.prompts import PromptEncoder, prompt_slots, prompt_texts
 from flowrl.runtime.rollout_loss import critic_micro_loss, policy_micro_loss, rollout_inputs, safe_temp
 from flowrl.runtime.schedule import Turn, interleave, mean_step_metrics
+from flowrl.runtime.shaping import ended_with
 from flowrl.runtime.transport import pack, unpack
 
 # PromptEncoder, prompt_texts, prompt_slots (flowrl.runtime.prompts) and model_seed, resolve_device, init_model
@@ -126,6 +127,8 @@ class ModelWorker:
             "group_id": index.clone(),
             "temperature": torch.full((size,), a.temperature),
             "gen_logp": out.logprobs.cpu(),
+            # cut at max_tokens: no EOS (response/clip_ratio, DAPO's overlong filtering)
+            "truncated": ~ended_with(out.response_ids.cpu(), out.response_mask.cpu(), tok.eos_id),
         }
         meta = {k: [v[i] for i in rows] for k, v in prompts.meta.items()}
         meta["response"] = responses
@@ -388,10 +391,3 @@ def group_state(workers: Mapping[str, ModelWorker]) -> dict[str, Any]:
 def load_group_state(workers: Mapping[str, ModelWorker], state: Mapping[str, Any]) -> None:
     for w in {id(w): w for w in workers.values()}.values():
         w.load_state_dict(state)
-
-
-def ended_with(response_ids: torch.Tensor, response_mask: torch.Tensor, eos: int) -> torch.Tensor:
-    """(B,) bool: each response's last real token is `eos` (an empty response did not end)."""
-    lens = response_mask.sum(1).long()
-    last = response_ids.gather(1, (lens - 1).clamp(min=0).unsqueeze(1)).squeeze(1)
-    return (lens > 0) & (last == eos)

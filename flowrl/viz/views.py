@@ -142,6 +142,11 @@ def _data_edges(dot: graphviz.Digraph, g: Graph) -> None:
         if env is not None:  # the environment loop: each turn's action goes out, its observation comes back
             dot.edge(n.id, n.id, label=f"env {env}", style="dashed", color="#2b8a3e", fontcolor="#2b8a3e",
                      dir="forward")
+        loop = n.attrs.get("refill") if n.op == "fn" else None
+        if isinstance(loop, tuple) and loop:  # dynamic sampling: the filter sends the step back for more prompts
+            dot.edge(n.id, str(loop[0]), label=f"refill: draw more prompts until {n.attrs.get('batch')} groups "
+                     f"are kept (\u2264{n.attrs.get('max_gen_batches')} draws)", style="dashed", color="#5f3dc4",
+                     fontcolor="#5f3dc4", constraint="false")
         queued = set(str(n.attrs.get("async_inputs") or "").split(","))
         for param, src in n.inputs:
             if src in queued:

@@ -277,7 +277,7 @@ TEMPLATE = [
         t.flow:5:5: error: unknown template `sac`
             use sac(reward = correct)
                 ^^^
-        hint: templates: cispo, dpo, dr_grpo, grpo, gspo, ppo, reinforce_pp, reward_model, rloo, sft
+        hint: templates: cispo, dapo, dpo, dr_grpo, grpo, gspo, ppo, reinforce_pp, reward_model, rloo, sft
     """),
     (HEAD + "use grpo(reward = correct, ref = actor)\n", """
         t.flow:5:34: error: template `grpo` needs `ref` to be a reference model, but `actor` is a policy model

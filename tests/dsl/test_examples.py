@@ -80,7 +80,7 @@ def test_stdlib_template_compiles(name: str, update_golden: bool) -> None:
 
 
 def test_stdlib_names() -> None:
-    assert flowrl.dsl.stdlib_names() == ["cispo", "dpo", "dr_grpo", "grpo", "gspo", "ppo", "reinforce_pp", "reward_model", "rloo", "sft"]
+    assert flowrl.dsl.stdlib_names() == ["cispo", "dapo", "dpo", "dr_grpo", "grpo", "gspo", "ppo", "reinforce_pp", "reward_model", "rloo", "sft"]
 
 
 def test_load_from_another_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -44,6 +44,8 @@ TABLE: dict[str, tuple[dict[str, str | None], dict[str, object]]] = {
                 {"group": 8, "clip": 0.2, "kl_coef": 0.0, "max_tokens": 256}),
     "cispo": ({"actor": "policy", "ref": "reference", "reward": None, "prompts": None},
               {"group": 8, "clip": 1.0, "clip_high": 4.0, "kl_coef": 0.0, "agg": "token-mean"}),
+    "dapo": ({"actor": "policy", "ref": "reference", "reward": None, "prompts": None},
+             {"group": 8, "clip": 0.2, "kl_coef": 0.0, "max_tokens": 256, "temperature": 1.0}),
 }
 
 
@@ -72,7 +74,7 @@ def test_stdlib_parameters_match_the_language_table(name: str, compile_ok: Compi
 
 
 def test_template_source_and_names() -> None:
-    assert stdlib_names() == ["cispo", "dpo", "dr_grpo", "grpo", "gspo", "ppo", "reinforce_pp", "reward_model", "rloo", "sft"]
+    assert stdlib_names() == ["cispo", "dapo", "dpo", "dr_grpo", "grpo", "gspo", "ppo", "reinforce_pp", "reward_model", "rloo", "sft"]
     text = template_source("grpo")
     assert "template grpo(actor: policy, ref: reference, reward, prompts," in text
     assert "adv      = group_advantage(scores, group = group, turns = turns)" in text
@@ -114,7 +116,7 @@ def test_ppo_without_a_critic_is_a_template_error(compile_error: Check) -> None:
     assert "declare `model critic : critic { source = actor }`" in rendered
 
 
-@pytest.mark.parametrize("name", ["grpo", "ppo", "rloo", "reinforce_pp", "gspo", "dr_grpo", "cispo"])
+@pytest.mark.parametrize("name", ["grpo", "ppo", "rloo", "reinforce_pp", "gspo", "dr_grpo", "cispo", "dapo"])
 def test_one_word_swaps_between_all_standard_templates(name: str, compile_ok: Compile) -> None:
     graph = compile_ok(DECLS + USE.format(name))
     assert graph.template == name
@@ -218,12 +220,13 @@ def test_show_lists_each_template_with_its_one_line_description(capsys: pytest.C
     from flowrl.cli import main
     from flowrl.dsl.templates import template_summary
 
+    # a sentence ends at a period before a capital, but not at "Dr." or "et al."; cut at a word within 100
     assert template_summary("dr_grpo") == ("Dr. GRPO (Liu et al., 2025, arXiv:2503.20783): GRPO without its length and "
-                                           "question-difficulty biases.")  # the first line: a sentence of its own
+                                           "question-difficulty…")
     assert template_summary("rloo") == ("RLOO (Ahmadian et al., 2024): `group` samples per prompt; each response's "
-                                        "baseline is the mean reward of the other responses to the same prompt.")
+                                        "baseline is the mean…")
     assert main(["show"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert [line.split()[0] for line in lines] == stdlib_names()
     assert "gspo          GSPO (Zheng et al., 2025, arXiv:2507.18071): GRPO with the importance ratio and its clip " \
-           "taken per sequence." in lines
+           "taken per…" in lines

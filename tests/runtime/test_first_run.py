@@ -123,7 +123,8 @@ def test_show_lists_each_template_with_a_line_from_its_file(tmp_path: Path, monk
     monkeypatch.setattr(templates, "STDLIB_DIR", tmp_path)
     assert main(["show"]) == 0
     listed = capsys.readouterr().out.splitlines()
-    assert listed[0] == "dapo          DAPO (Yu et al., 2025): GRPO with decoupled clipping."
+    assert next(line for line in listed if line.startswith("dapo ")) == \
+        "dapo          DAPO (Yu et al., 2025): GRPO with decoupled clipping."
 
 
 def test_run_opens_with_what_the_flow_says_to_expect(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
