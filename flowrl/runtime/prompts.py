@@ -23,9 +23,11 @@ class PromptEncoder:
     context: int
 
     def tokens(self, text: str) -> list[int]:
-        """A prompt's whole token ids, BOS first where the tokenizer has one."""
+        """A prompt's whole token ids, BOS first where the tokenizer has one (once: a chat template that writes
+        `bos_token` itself, as Llama's and Mistral's do, already put it there)."""
         row = self.tokenizer.encode(text)
-        return [self.tokenizer.bos_id, *row] if self.tokenizer.bos_id is not None else row
+        bos = self.tokenizer.bos_id
+        return [bos, *row] if bos is not None and row[:1] != [bos] else row
 
     def room(self, max_tokens: int) -> int:
         """The most prompt tokens that leave `max_tokens` of the context for the response (at least one); a run
