@@ -3,7 +3,7 @@
     .venv/bin/python bench/recipes_arith.py --out bench/out/recipes [--templates grpo,gspo,dr_grpo,cispo] [--reuse]
 
 Each template runs the flow's own line, `use NAME(reward = correct, group = 8, max_tokens = 2, kl_coef = 0.05,
-temperature = 1.0)`, for the flow's 300 steps at seed 0 on the local backend (`flowrl run`, one process each, one
+temperature = 1.0)` (ppo: with `model critic : critic { source = actor }` added), for the flow's 300 steps at seed 0 on the local backend (`flowrl run`, one process each, one
 after the other). Reported per template: mean reward over the first 10 and the last 10 steps, the first step at
 which the mean over the 10 steps before it reaches 0.5, generated tokens, and the run's wall time (on this script's
 clock). `--reuse` summarises run directories already in --out that hold all their steps.
@@ -28,6 +28,9 @@ TARGET = 0.5
 def flow_for(template: str, folder: Path) -> Path:
     """The example with its template swapped, written next to a copy of its data (relative paths)."""
     text = EXAMPLE.read_text(encoding="utf-8").replace("use grpo(", f"use {template}(")
+    if template == "ppo":  # the one template with a critic: the flow's comment says to declare it
+        text = text.replace("model ref : reference { source = actor }\n",
+                            "model ref : reference { source = actor }\nmodel critic : critic { source = actor }\n")
     data = folder / "data"
     if not data.exists():
         data.symlink_to(ROOT / "examples" / "data")

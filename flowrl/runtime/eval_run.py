@@ -4,11 +4,12 @@ the run the way an `eval` block evaluates inside it (flowrl.runtime.evaluation: 
 Everything comes from the run directory: run.json (the seed), graph.json (the models as they ran, `--set` overrides
 applied; the flow's `eval` blocks, generate and rewards, which give the defaults) and checkpoints/. Where the data
 file is an `eval` block's data set, that block's name, `n`, `temperature`, `max_tokens`, reward, `prompt_key` and
-`limit` are the defaults, so `flowrl eval RUN --init --data FILE` gives a step-0 evaluation's numbers exactly; for
-another file the model's first `eval` block gives them (but `prompt_key` and `limit`); without one the flow's
-generate gives `max_tokens`, its reward the reward, and `n = 1`, `temperature = 0`. A pipeline's
-run directory evaluates the last stage whose step uses the model (OUT/stages/NAME), or with `step` the stage that
-holds that pipeline-wide step. `PolicyEval` is the piece under it: one model of a flow rebuilt here, answering.
+`limit` are the defaults (of several blocks on that file, the one whose `n` and `temperature` are those asked
+for), so `flowrl eval RUN --init --data FILE` gives a step-0 evaluation's numbers exactly; for another file the
+model's first `eval` block gives them (but `prompt_key` and `limit`); without one the flow's generate gives
+`max_tokens`, its reward the reward, and `n = 1`, `temperature = 0`. A pipeline's run directory evaluates the last
+stage whose step uses the model (OUT/stages/NAME), or with `step` the stage that holds that pipeline-wide step.
+`PolicyEval` is the piece under it: one model of a flow rebuilt here, answering.
 """
 
 from __future__ import annotations
@@ -122,8 +123,11 @@ def evaluate(run_dir: str | Path, *, data: str | Path, reward: str | None = None
     g, decls, name = where.graph, where.models, where.model
     path = os.path.realpath(str(data))
     mine = [e for e in g.get("evals", []) if e["model"] == name]
-    matched = next((e for e in mine if any(d["name"] == e["data"] and os.path.realpath(d["path"]) == path
-                                           for d in g.get("data", []))), None)
+    on_file = [e for e in mine if any(d["name"] == e["data"] and os.path.realpath(d["path"]) == path
+                                      for d in g.get("data", []))]
+    # several blocks of this data set (greedy and sampled): the one --n and --temperature describe, else the first
+    matched = next((e for e in on_file if (n is None or int(e["n"]) == n)
+                    and (temperature is None or float(e["temperature"]) == temperature)), next(iter(on_file), None))
     block = matched or next(iter(mine), None)  # the eval block of this data set, else the model's first
     decl = next((d for d in g.get("data", []) if matched is not None and d["name"] == matched["data"]), None)
     options: dict[str, Any] = dict(decl["options"]) if decl is not None else {}
@@ -143,7 +147,8 @@ def evaluate(run_dir: str | Path, *, data: str | Path, reward: str | None = None
         reward_decl = _reward(g, reward, block)
         scorer = make_scorer(reward_decl, imports=tuple(g.get("imports", [])), folder=folder)
     try:
-        numbered, left_out = fitting(rows, prompt_key, next(m for m in decls if m.name == name), spec, spec.name)
+        numbered, left_out = fitting(rows, prompt_key, next(m for m in decls if m.name == name), spec,
+                                     spec.name if matched is not None else str(data))  # named as it is
         policy = PolicyEval(decls, name, seed=where.seed, device=device or where.device)
         policy.load(where.weights)
         got = policy.evaluate(numbered, spec, scorer, seed=where.seed, step=where.run_step, prompt_key=prompt_key,

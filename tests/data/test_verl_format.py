@@ -47,7 +47,7 @@ def extract_solution(answer: str) -> str:
     return found.group(0).split("#### ")[1].replace(",", "")
 
 
-def verl_rows(split: str) -> list[dict[str, Any]]:
+def verl_rows(split: str, problems: list[tuple[str, str]] = PROBLEMS) -> list[dict[str, Any]]:
     """Rows as verl's gsm8k.py `process_fn(example, idx)` makes them."""
     return [{
         "data_source": "openai/gsm8k",
@@ -55,7 +55,7 @@ def verl_rows(split: str) -> list[dict[str, Any]]:
         "ability": "math",
         "reward_model": {"style": "rule", "ground_truth": extract_solution(answer)},
         "extra_info": {"split": split, "index": idx, "answer": answer, "question": question},
-    } for idx, (question, answer) in enumerate(PROBLEMS)]
+    } for idx, (question, answer) in enumerate(problems)]
 
 
 def write_gsm8k(folder: Path) -> Path:
@@ -233,3 +233,35 @@ def test_paths_step_into_lists_and_name_what_a_row_holds() -> None:
     with pytest.raises(DataError) as info:
         with_columns(nulls, {"answer": "reward_model.ground_truth"}, "t.parquet")
     assert info.value.diagnostics[0].message == "t.parquet, row 1: `reward_model.ground_truth` is null"
+
+
+TEST_PROBLEMS = [  # verl's test split: other problems, written as gsm8k.py writes them
+    ("Kim has 5 bags with 2 pens in each. How many pens does Kim have?", "5 * 2 = <<5*2=10>>10\n#### 10"),
+    ("A cup costs $3. How much do 4 cups cost?", "4 * 3 = <<4*3=12>>12\n#### 12"),
+    ("Eve has 20 stickers and gives away 5. How many are left?", "20 - 5 = <<20-5=15>>15\n#### 15"),
+]
+
+
+def test_an_eval_block_on_the_test_split_and_flowrl_eval_agree(tmp_path: Path) -> None:
+    """verl's train and test parquet files: an `eval` block on the test split writes per-`data_source` figures,
+    `flowrl eval RUN --data test.parquet --n 4` gives the run's last ones, and on another file its overlong-prompt
+    warning names that file (not the eval block, whose data it is not)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    write_gsm8k(tmp_path / "gsm8k")
+    pq.write_table(pa.Table.from_pylist(verl_rows("test", TEST_PROBLEMS)), tmp_path / "gsm8k" / "test.parquet")
+    flow = FLOW.format(keys="").replace("use grpo", 'data test = parquet("gsm8k/test.parquet")\nuse grpo') + \
+        "eval test { data = test, n = 4, temperature = 1.0 }\n"
+    result = flowrl.run(compile_flow(flow, "t.flow"), out_dir=tmp_path / "out", backend="local")
+    last = result.metrics[-1]
+    assert {k for k in last if k.startswith("eval/test/openai/gsm8k/")} == {
+        f"eval/test/openai/gsm8k/{m}" for m in ("mean@4", "pass@1", "pass@2", "pass@4", "maj@4", "response_len_mean")}
+    got = flowrl.evaluate(str(tmp_path / "out"), data="gsm8k/test.parquet", n=4)
+    assert (got.name, got.step, got.rows, got.left_out) == ("test", 2, 3, None)
+    assert {f"eval/test/{k}": v for k, v in got.metrics.items()} == {k: v for k, v in last.items()
+                                                                    if k.startswith("eval/test/")}
+    other = flowrl.evaluate(str(tmp_path / "out"), data="gsm8k/train.parquet", n=4)
+    assert other.rows == 6 and other.left_out == (
+        "eval `gsm8k/train.parquet`: 1 of 7 prompts are longer than the 220 tokens model `actor` leaves them "
+        "(context 224, max_tokens 4; the longest has 701); they are left out of the evaluation")

@@ -206,7 +206,9 @@ def _peak_rise(rows: int, loss: str) -> float:
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert all(v == v for v in result["metrics"].values())  # finite numbers came out
-    assert result["warm_rise_mb"] >= 8.0, result  # a forward's logits (128 token rows': 16 MB) are seen
+    # a micro-batch's logits are seen: 32 sequences (16 pairs) x at least 2 response positions x 32 KB = 2 MB (the
+    # forward computes the response positions' log-probs; measured 5.0 MB)
+    assert result["warm_rise_mb"] >= 2.0, result
     return float(result["peak_rise_mb"])
 
 
