@@ -16,6 +16,7 @@ import torch
 
 from flowrl.algos import denominators
 from flowrl.engines.chunked_generation import StreamControl, Tail, generate_stream, resume_stream
+from flowrl.engines.forward import no_grad_mode
 from flowrl.engines.generation import forward_logprobs, forward_values, generate
 from flowrl.engines.incremental import IncrementalScorer
 from flowrl.engines.prefill import Prefixes, compute_prefixes
@@ -141,8 +142,9 @@ class ModelWorker:
 
     def compute_prefixes(self, model: str, tokens: Sequence[tuple[int, ...]]) -> Prefixes:
         """Common prompt prefixes' keys and values under `model`'s current weights, on the host (to hand over)."""
-        with torch.inference_mode():
-            out = compute_prefixes(self.models[model].module, tokens, self.pad_id(model), self.device)
+        module = self.models[model].module
+        with no_grad_mode(module):
+            out = compute_prefixes(module, tokens, self.pad_id(model), self.device)
         return out.to(torch.device("cpu"))
 
     # fuse-gen-inference: generation as a stream of finished-sample chunks (flowrl.runtime.gen_infer)
