@@ -343,20 +343,27 @@ class ModelWorker:
 
     # ---- state -------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        return {
+        """Every model's weights and its trainer's state. With several ranks every rank must call it (a DeepSpeed
+        trainer gathers its ZeRO partitions onto rank 0: collectives); rank 0's is the group's state and the other
+        ranks return {} (their share is in rank 0's)."""
+        state = {
             name: {"module": m.module.state_dict(),
                    "optim": self.trainers[name].state_dict() if name in self.trainers else None}
             for name, m in self.models.items()
         }
+        return state if self.rank == 0 else {}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         for name, s in state.items():
             if name not in self.models:
                 continue
-            self.models[name].module.load_state_dict(s["module"])
-            weights_changed(self.models[name].module)
             if s.get("optim") is not None and name in self.trainers:
+                # The trainer restores the weights too: a ZeRO-3 module's own load_state_dict cannot (its
+                # partitioned tensors are empty placeholders; the engine scatters the saved whole weights).
                 self.trainers[name].load_state_dict(s["optim"])
+            else:
+                self.models[name].module.load_state_dict(s["module"])
+            weights_changed(self.models[name].module)
             if name in self.generators:
                 self.generators[name].load_weights(self.models[name].module.state_dict())
 
