@@ -197,7 +197,8 @@ class ProcessRanks:
         """Process ranks are not restarted (see the module docstring)."""
 
     def state_dict(self) -> dict[str, Any]:
-        return dict(self._call("state_dict", (), {}, "rank0"))  # all ranks hold the same weights
+        # Every rank takes part (a ZeRO trainer gathers its partitions onto rank 0); rank 0's is the whole state.
+        return dict(self._call("state_dict", (), {}, "broadcast"))
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self._call("load_state_dict", (state,), {}, "broadcast")

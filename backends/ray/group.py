@@ -216,7 +216,8 @@ class RayWorkerGroup:
         self._rebuild()
 
     def state_dict(self) -> dict[str, Any]:
-        state: dict[str, Any] = self.call("state_dict", dispatch="rank0").result()
+        # Every rank takes part (a ZeRO trainer gathers its partitions onto rank 0); rank 0's is the whole state.
+        state: dict[str, Any] = self.call("state_dict", dispatch="broadcast").result()
         return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -270,7 +271,9 @@ class RayWorkerGroup:
         """Keep what a rebuilt rank needs to reach the ranks' current state."""
         self._since.append(plan)
         if plan.method == "load_state_dict" or len(self._since) >= self.spec.snapshot_every:
-            self._snapshot = self.actors[0].run.remote("state_dict")  # stays in the object store; never fetched
+            # Every rank takes part, as in `state_dict`; rank 0's result stays in the object store, never fetched.
+            refs = [a.run.remote("state_dict") for a in self.actors]
+            self._snapshot = refs[0]
             self._since = []
 
     def _gather(self, refs: Sequence[ray.ObjectRef], what: str) -> list[Any]:

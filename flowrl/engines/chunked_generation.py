@@ -25,7 +25,7 @@ from typing import Protocol
 import torch
 from torch import Tensor, nn
 
-from flowrl.engines.forward import positions_from_mask
+from flowrl.engines.forward import no_grad_mode, positions_from_mask
 from flowrl.engines.generation import (
     check_sampling_args,
     kv_rows,
@@ -134,7 +134,7 @@ class _Decoder:
         if self.ours and int((~self.done).sum()) <= self.done.shape[0] // 2:
             self._keep(~self.done)
         self.length += 1
-        with torch.inference_mode():
+        with no_grad_mode(self.module):
             out = self.module(input_ids=self.pending[:, None], attention_mask=self.attn[:, : self.length],
                               position_ids=self.pos[:, None], use_cache=True, **cache_kw(self.module, self.cache))  # fmt: skip
         self.logits = out.logits[:, -1].float()
@@ -143,7 +143,7 @@ class _Decoder:
 
     def _keep(self, keep_mask: Tensor) -> None:
         keep = keep_mask.nonzero().squeeze(1)
-        with torch.inference_mode():
+        with no_grad_mode(self.module):
             self.cache.batch_select_indices(keep)  # type: ignore[attr-defined]
         for name in ("rows", "pos", "pending", "t_row", "done", "attn"):
             setattr(self, name, getattr(self, name)[keep])
@@ -203,7 +203,7 @@ def generate_stream(module: nn.Module, tokenizer: Tokenizer, prompts: Sequence[S
     keys = row_keys(sampling_seed(seed, generator), slots_of(prompt_slots, batch), n, dev)  # (N, 2)
     dec = _Decoder(module, tokenizer, s, torch.arange(rows, device=dev) + first_sample,
                    ids.repeat_interleave(n, dim=0), full_mask, out, keys)
-    with torch.inference_mode():
+    with no_grad_mode(module):
         pre = prefill_prompts(module, prompts, ids, mask, n=n, share=share_prefix and n > 1, extra=s.max_tokens,
                               prefixes=prefixes, pad=tokenizer.pad_id)
     dec.cache, dec.ours, dec.logits = pre.cache, pre.ours, pre.logits
@@ -238,7 +238,7 @@ def resume_stream(module: nn.Module, tokenizer: Tokenizer, tails: Sequence[Tail]
                     cat([t.out_mask for t in tails]).to(dev)), cat([t.keys for t in tails]).to(dev))
     rows = dec.samples.shape[0]
     dec.cache, dec.ours = make_cache(module, width + s.max_tokens)
-    with torch.inference_mode():
+    with no_grad_mode(module):
         for i, layer in enumerate(dec.cache.layers):  # type: ignore[attr-defined]
             keys = cat([left(t.kv[i][0].transpose(1, 2), width).transpose(1, 2) for t in tails]).to(dev)
             values = cat([left(t.kv[i][1].transpose(1, 2), width).transpose(1, 2) for t in tails]).to(dev)

@@ -25,13 +25,13 @@ the tiny GPT-2: a different grad norm, weights 0.04 off after two steps); `modul
 for everything else (generation, log-probs without gradients).
 
 Checkpoints (`state_dict`): ZeRO-0 saves the module and torch optimizer state dicts. ZeRO-1/2 save the module and
-DeepSpeed's optimizer state, which holds the fp32 master partition and the AdamW moments of THIS rank only:
-restoring needs the same data-parallel size. ZeRO-3 partitions the weights themselves: `state_dict` gathers
-them into full tensors (on every rank: memory of the whole model), the optimizer state is again this rank's
-partition, and outside the engine `module.state_dict()` returns empty placeholders for partitioned tensors, so
-weight sync must read `module_state_dict()` instead (generation and no-grad forwards on the raw module still work:
-ZeRO-3's hooks gather the weights). For multi-rank ZeRO-3 use DeepSpeed's own
-`forward_module.save_checkpoint(dir)` / `load_checkpoint(dir)`.
+DeepSpeed's optimizer state, which holds the fp32 master partition and the AdamW moments of each rank: with several
+data-parallel ranks every rank calls `state_dict` and rank 0 gathers the ranks' partitions into a list by rank
+(restoring needs the same data-parallel size). ZeRO-3 partitions the weights themselves: `state_dict` gathers
+them into full tensors (on every rank: memory of the whole model), and outside the engine `module.state_dict()`
+returns empty placeholders for partitioned tensors, so weight sync must read `module_state_dict()` instead
+(generation and no-grad forwards on the raw module still work: ZeRO-3's hooks gather the weights; they must run
+under `flowrl.engines.forward.no_grad_mode`, which says why).
 """
 
 from __future__ import annotations
@@ -50,7 +50,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
-from flowrl.engines.training import MB, AdamWEngine, AdamWOptions, LossFn
+from flowrl.engines.training import MB, AdamWEngine, AdamWOptions, LossFn, data_parallel_world
+from flowrl.errors import Diagnostic, FlowError
 
 if TYPE_CHECKING:  # annotations only (typing.Unpack is 3.11+; typing_extensions comes with torch)
     from typing_extensions import Unpack
@@ -151,29 +152,48 @@ class DeepSpeedTrainEngine(AdamWEngine):
 
     # ---- checkpoints -------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Module weights (full tensors, also under ZeRO-3), optimizer state and the step count."""
+        """Module weights (full tensors, also under ZeRO-3), optimizer state and the step count.
+
+        With several data-parallel ranks every rank must call it: ZeRO-3 gathers the weights and ZeRO 1-3 gather
+        every rank's optimizer partition onto rank 0 (collectives). At ZeRO 1-3 `optimizer` is the list of the
+        ranks' partitions, by rank, on rank 0, and None on the other ranks: rank 0's state is the whole one.
+        """
         # At ZeRO-0 in fp32 DeepSpeed steps our AdamW itself; otherwise its wrapper also holds fp32 master weights.
-        optimizer = self.forward_module.optimizer.state_dict()
         # Copies, not views into live buffers: ZeRO's fp32 partitions are slices of flat groups it keeps updating.
-        return {"module": self.module_state_dict(), "optimizer": _snapshot(optimizer), "steps": self.steps,
+        optimizer = _snapshot(self.forward_module.optimizer.state_dict())
+        if self.zero_stage > 0:
+            optimizer = _gather_to_rank0(optimizer)
+        return {"module": self.module_state_dict(), "optimizer": optimizer, "steps": self.steps,
                 "zero_stage": self.zero_stage}  # fmt: skip
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore a `state_dict` (rank 0's: the whole state). With several ranks every rank must call it, with
+        the same state (ZeRO-3 scatters the weights); at ZeRO 1-3 each rank takes its own optimizer partition,
+        so the checkpoint must come from as many ranks as this run has."""
         saved = int(state.get("zero_stage", 0))
         if saved != self.zero_stage:
             raise ValueError(f"checkpoint was written at ZeRO stage {saved}; this engine runs stage {self.zero_stage}"
                              " (the optimizer state layouts differ)")
+        partitions: list[Any] = []
+        if self.zero_stage > 0:
+            saved_parts = state["optimizer"]
+            # A one-rank checkpoint written before the partitions were stored as a list holds the partition itself.
+            partitions = [saved_parts] if isinstance(saved_parts, Mapping) else list(saved_parts)
+            world = data_parallel_world()
+            if len(partitions) != world:
+                ranks = f"{len(partitions)} data-parallel rank" + ("s" if len(partitions) > 1 else "")
+                raise FlowError(Diagnostic(
+                    f"the checkpoint holds the ZeRO-{self.zero_stage} optimizer state of {ranks}, this run has {world}",
+                    hint="resume with the `replicas` it was written with: ZeRO partitions that state by rank"))
         self._load_module_state(state["module"])
         ds_optimizer = self.forward_module.optimizer
         if self.zero_stage == 0:
             # Our AdamW (fp32) or DeepSpeed's bf16/fp16 wrapper, which also copies its saved fp32 masters back.
             ds_optimizer.load_state_dict(state["optimizer"])
         else:
-            # A list indexed by data-parallel rank; this rank's own entry is the one DeepSpeed reads. Masters come
-            # from the saved fp32 partition, not from the (possibly bf16) module weights.
-            world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-            ds_optimizer.load_state_dict([state["optimizer"]] * world, load_optimizer_states=True,
-                                         load_from_fp32_weights=True)  # fmt: skip
+            # Indexed by data-parallel rank; DeepSpeed reads this rank's own entry. Masters come from the saved fp32
+            # partitions, not from the (possibly bf16) module weights.
+            ds_optimizer.load_state_dict(partitions, load_optimizer_states=True, load_from_fp32_weights=True)
         self.steps = int(state.get("steps", 0))
 
     def module_state_dict(self) -> dict[str, torch.Tensor]:
@@ -208,6 +228,17 @@ def _snapshot(obj: Any) -> Any:
     if isinstance(obj, (list, tuple)):
         return type(obj)(_snapshot(value) for value in obj)
     return obj
+
+
+def _gather_to_rank0(obj: Any) -> list[Any] | None:
+    """Every rank's `obj`, by rank, on rank 0 (None on the others); `[obj]` with one rank. A collective."""
+    world = data_parallel_world()
+    if world == 1:
+        return [obj]
+    rank = torch.distributed.get_rank()
+    gathered: list[Any] | None = [None] * world if rank == 0 else None
+    torch.distributed.gather_object(obj, gathered, dst=0)
+    return gathered
 
 
 def _dtype(module: nn.Module) -> torch.dtype:

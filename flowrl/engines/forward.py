@@ -25,6 +25,7 @@ __all__ = [
     "forward_logprobs",
     "forward_logprobs_entropy",
     "forward_values",
+    "no_grad_mode",
     "positions_from_mask",
 ]
 
@@ -75,7 +76,7 @@ def forward_values(value_module: nn.Module, *batch: Tensor, **options: Unpack[Ch
     rollout = _rollout(batch, options, ChunkOptions)
     width, length = rollout[0].shape[1], rollout[2].shape[1]
     outs: list[Tensor] = []
-    with _grad_mode(options.get("with_grad", False)):
+    with _grad_mode(value_module, options.get("with_grad", False)):
         for ids, attn, pos, resp_mask in _chunks(*rollout, options.get("micro_batch", 0)):
             values = value_module(input_ids=ids, attention_mask=attn, position_ids=pos)  # (b, P + T)
             values = values[:, width - 1 : width - 1 + length].float()  # (b, T)
@@ -103,7 +104,7 @@ def _run_lm(module: nn.Module, batch: tuple[Tensor, ...], options: ForwardOption
     temperature = options.get("temperature", 1.0)
     scale = 1.0 / temperature if temperature > 0 else 1.0
     parts: list[list[Tensor]] = []
-    with _grad_mode(options.get("with_grad", False)):
+    with _grad_mode(module, options.get("with_grad", False)):
         for ids, attn, pos, resp_mask in _chunks(*rollout, options.get("micro_batch", 0)):
             # Only the last T + 1 positions reach the LM head: the prompt's logits are never needed.
             out = module(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=False,
@@ -147,6 +148,17 @@ def _chunks(
         yield ids, attn, positions_from_mask(attn), resp_mask
 
 
-def _grad_mode(with_grad: bool) -> contextlib.AbstractContextManager[object]:
-    # inference_mode is cheaper than no_grad, but its tensors can never enter autograd: only for scoring.
-    return torch.enable_grad() if with_grad else torch.inference_mode()
+def no_grad_mode(module: nn.Module) -> contextlib.AbstractContextManager[object]:
+    """The context of a forward without gradients through `module` (scoring, generation, its KV caches):
+    inference_mode, which is cheaper than no_grad but whose tensors can never enter autograd, except for a module
+    DeepSpeed ZeRO-3 partitions. Its forward hooks all-gather each layer's weights inside the caller's context and
+    keep the small ("persistent") ones gathered for the forwards after: gathered under inference_mode, those
+    weights are inference tensors, and the next training forward fails ("Inference tensors cannot be saved for
+    backward"; with two or more ranks, where the gather allocates). Every site that runs or caches for a module
+    must use this one context: a cache made under inference_mode cannot be written in place under no_grad."""
+    first = next(module.parameters(), None)
+    return torch.no_grad() if first is not None and hasattr(first, "ds_id") else torch.inference_mode()
+
+
+def _grad_mode(module: nn.Module, with_grad: bool) -> contextlib.AbstractContextManager[object]:
+    return torch.enable_grad() if with_grad else no_grad_mode(module)

@@ -27,6 +27,7 @@ from flowrl.engines.forward import (
     forward_logprobs,
     forward_logprobs_entropy,
     forward_values,
+    no_grad_mode,
     positions_from_mask,
 )
 from flowrl.engines.prefill import Prefixes, expand, left_pad, match, supports_levels
@@ -100,7 +101,7 @@ def generate(
     live: Tensor | None = None  # current batch row -> output row; None while it is the identity
     done = torch.zeros(rows, dtype=torch.bool, device=dev)
 
-    with torch.inference_mode():
+    with no_grad_mode(module):
         pre = prefill_prompts(module, prompts, ids, mask, n=n, share=share_prefix and n > 1, extra=max_tokens,
                               prefixes=prefixes, pad=pad)
         # `ours`: the cache is our buffered one, which also supports dropping finished rows mid-decode.
@@ -162,7 +163,7 @@ class Prefilled:
 
 def prefill_prompts(module: nn.Module, prompts: Sequence[Sequence[int]], ids: Tensor, mask: Tensor, *, n: int,
                     share: bool, extra: int, prefixes: Prefixes | None, pad: int) -> Prefilled:
-    """The prefill of `generate` and `generate_stream` (under inference mode): the B left-padded prompts `ids`,
+    """The prefill of `generate` and `generate_stream` (under `no_grad_mode`): the B left-padded prompts `ids`,
     once each when `share` (the cache then repeated n times), else each of the N = B * n rows. With `prefixes`,
     a prompt opening with one runs only its rest, after the prefix's keys and values (rows [prefix | rest],
     engines/prefill.py); caches other than full attention (sliding windows) ignore them."""

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor, nn
 from transformers import DynamicCache
 
-from flowrl.engines.forward import positions_from_mask
+from flowrl.engines.forward import no_grad_mode, positions_from_mask
 from flowrl.models.build import cache_kw
 
 __all__ = ["IncrementalScorer"]
@@ -66,7 +66,7 @@ class IncrementalScorer:
         for i, s in enumerate(ids):
             if s in where:
                 mine.setdefault(where[s][0], []).append((i, where[s][1]))
-        with torch.inference_mode():
+        with no_grad_mode(self.module):
             for ci, rows in mine.items():
                 self._extend(self.cohorts[ci], rows, response_ids, lengths)
             new = [i for i, s in enumerate(ids) if s not in where]

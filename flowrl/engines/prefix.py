@@ -28,7 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from flowrl.engines import packing_cost
-from flowrl.engines.forward import token_entropy, token_logprobs
+from flowrl.engines.forward import no_grad_mode, token_entropy, token_logprobs
 from flowrl.engines.packing_cost import packed_rows, packed_width, run_lengths
 from flowrl.engines.prefill import compute_prefixes, expand, left_pad, level, run, supports_levels
 from flowrl.engines.prompt_cache import KV, PromptCache, PromptState, cache_of, stack, store
@@ -206,7 +206,7 @@ def _shared(module: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, response
         packed = max(per_prompt.values(), default=0) <= packing_cost.PACK_LIMIT and (
             packing_cost.PACKING == "always"
             or packing_cost.packing_pays(module, per_prompt, prompt_ids.shape[1], response_mask.shape))
-    with torch.inference_mode():
+    with no_grad_mode(module):
         if packed and not plan.groups and not cached:  # nothing to reuse: prompts and responses in one call
             for rows in _row_chunks(plan.row_prompt, micro_batch):
                 idx = torch.tensor(rows, device=device)

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from flowrl.engines.forward import no_grad_mode
 from flowrl.engines.generation import check_sampling_args, left_pad_prompts, prefill_prompts
 from flowrl.engines.sampling import MASK32, Sampler, mix32, row_keys, sampling_seed, slots_of
 from flowrl.engines.turn_cache import RowKV, pack, packed_rows, row_length, unpack
@@ -154,7 +155,7 @@ def stream_turns(module: nn.Module, tokenizer: Tokenizer, prompts: Sequence[Sequ
             raise ValueError(f"prompt {i} ({len(prompt)} tokens) leaves no room for a response")
         trajs += [Traj((slots[i], j), cap, len(prompt), i * n + j, tuple(prompt)) for j in range(n)]
     ids, mask = left_pad_prompts(prompts, lim.pad, dev)  # (B, P)
-    with torch.inference_mode():
+    with no_grad_mode(module):
         pre = prefill_prompts(module, prompts, ids, mask, n=n, share=n > 1, extra=0, prefixes=None, pad=lim.pad)
         kvs = unpack(pre.cache, pre.mask, pre.mask.shape[1], range(len(trajs)))
     for i, tr in enumerate(trajs):
@@ -183,7 +184,7 @@ def resume_turns(module: nn.Module, tokenizer: Tokenizer, parked: Sequence[Parke
     table = torch.tensor([list(p.keys) for p in parked], dtype=torch.long, device=dev).view(len(parked), max_turns, 2)
     history = [[*tr.prompt, *tr.ids[: len(tr.ids) - len(tr.feed)]] for tr in trajs]
     ids, mask = left_pad_prompts(history, lim.pad, dev)
-    with torch.inference_mode():
+    with no_grad_mode(module):
         pre = prefill_prompts(module, history, ids, mask, n=1, share=False, extra=0, prefixes=None, pad=lim.pad)
         kvs = unpack(pre.cache, pre.mask, pre.mask.shape[1], range(len(trajs)))
     for r, tr in enumerate(trajs):
@@ -233,7 +234,7 @@ class _Loop:
                 wait([_future(trajs[i]) for i in waiting],
                      return_when=FIRST_COMPLETED if self.overlap else ALL_COMPLETED)
                 clock.idle += time.perf_counter() - began
-            with torch.inference_mode():
+            with no_grad_mode(self.module):
                 # The barrier loop looks at its environments only once the whole batch has ended its turns (and
                 # every queued row has had its turn).
                 if waiting and (self.overlap or (batch is None and not ready)):

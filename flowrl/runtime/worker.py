@@ -16,6 +16,7 @@ import torch
 
 from flowrl.algos import denominators
 from flowrl.engines.chunked_generation import StreamControl, Tail, generate_stream, resume_stream
+from flowrl.engines.forward import no_grad_mode
 from flowrl.engines.generation import forward_logprobs, forward_values, generate
 from flowrl.engines.incremental import IncrementalScorer
 from flowrl.engines.prefill import Prefixes, compute_prefixes
@@ -144,8 +145,9 @@ class ModelWorker:
 
     def compute_prefixes(self, model: str, tokens: Sequence[tuple[int, ...]]) -> Prefixes:
         """Common prompt prefixes' keys and values under `model`'s current weights, on the host (to hand over)."""
-        with torch.inference_mode():
-            out = compute_prefixes(self.models[model].module, tokens, self.pad_id(model), self.device)
+        module = self.models[model].module
+        with no_grad_mode(module):
+            out = compute_prefixes(module, tokens, self.pad_id(model), self.device)
         return out.to(torch.device("cpu"))
 
     # fuse-gen-inference: generation as a stream of finished-sample chunks (flowrl.runtime.gen_infer)
@@ -344,20 +346,27 @@ class ModelWorker:
 
     # ---- state -------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        return {
+        """Every model's weights and its trainer's state. With several ranks every rank must call it (a DeepSpeed
+        trainer gathers its ZeRO partitions onto rank 0: collectives); rank 0's is the group's state and the other
+        ranks return {} (their share is in rank 0's)."""
+        state = {
             name: {"module": m.module.state_dict(),
                    "optim": self.trainers[name].state_dict() if name in self.trainers else None}
             for name, m in self.models.items()
         }
+        return state if self.rank == 0 else {}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         for name, s in state.items():
             if name not in self.models:
                 continue
-            self.models[name].module.load_state_dict(s["module"])
-            weights_changed(self.models[name].module)
             if s.get("optim") is not None and name in self.trainers:
+                # The trainer restores the weights too: a ZeRO-3 module's own load_state_dict cannot (its
+                # partitioned tensors are empty placeholders; the engine scatters the saved whole weights).
                 self.trainers[name].load_state_dict(s["optim"])
+            else:
+                self.models[name].module.load_state_dict(s["module"])
+            weights_changed(self.models[name].module)
             if name in self.generators:
                 self.generators[name].load_weights(self.models[name].module.state_dict())
 

@@ -1,10 +1,10 @@
 """`flowrl export RUN_DIR -o DIR` on real runs (flowrl.runtime.export_run, flowrl.runtime.export): a tiny run and an
-`hf:` run on the local backend, a run on the process backend with two ranks and a DeepSpeed ZeRO-3 run (whose
-checkpoint keeps partitioned tensors as empty placeholders) each export whole weights, which a fresh Python without
-flowrl (tests/models/hf_elsewhere.py) loads with the logits and greedy answers of flowrl's model built from the run's
-checkpoint. A trained reward model exports as a one-label classifier that transformers and a flow's `hf:` source
-both score as flowrl did. A pipeline's run exports from the last stage holding the model; `run { export }` writes
-OUT/hf/MODEL/ without changing the run; every mistake is one rendered error."""
+`hf:` run on the local backend, a run on the process backend with two ranks and DeepSpeed ZeRO-3 runs on one rank
+and on two (whose checkpoints keep partitioned tensors as empty placeholders) each export whole weights, which a
+fresh Python without flowrl (tests/models/hf_elsewhere.py) loads with the logits and greedy answers of flowrl's
+model built from the run's checkpoint. A trained reward model exports as a one-label classifier that transformers
+and a flow's `hf:` source both score as flowrl did. A pipeline's run exports from the last stage holding the model;
+`run { export }` writes OUT/hf/MODEL/ without changing the run; every mistake is one rendered error."""
 
 from __future__ import annotations
 
@@ -114,6 +114,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "hf": (write_flow(root / "hf", source=f'"hf:{root / "source"}"', shape=""), "local", {}),
         "process x2": (write_flow(root / "process"), "process", {"actor.replicas": 2}),
         "zero-3": (write_flow(root / "zero3", shape=DS3), "local", {}),
+        "zero-3 process x2": (write_flow(root / "zero3x2", shape=DS3), "process", {"actor.replicas": 2}),
     }
     out: dict[str, Any] = {}
     jobs = []
@@ -130,7 +131,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return out
 
 
-@pytest.mark.parametrize("case", ["tiny", "hf", "process x2", "zero-3"])
+@pytest.mark.parametrize("case", ["tiny", "hf", "process x2", "zero-3", "zero-3 process x2"])
 def test_an_exported_run_gives_flowrls_logits_and_greedy_answers_without_flowrl(runs: dict[str, Any],
                                                                                case: str) -> None:
     loaded, there = runs[case]["loaded"], runs[case]["there"]
@@ -142,7 +143,7 @@ def test_an_exported_run_gives_flowrls_logits_and_greedy_answers_without_flowrl(
     assert there["prompt_ids"] == PromptEncoder(loaded.tokenizer, 64).ids(PROMPTS, MAX_NEW)
 
 
-@pytest.mark.parametrize("case", ["tiny", "hf", "process x2", "zero-3"])
+@pytest.mark.parametrize("case", ["tiny", "hf", "process x2", "zero-3", "zero-3 process x2"])
 def test_the_export_holds_the_checkpoints_whole_weights(runs: dict[str, Any], case: str) -> None:
     exported = load_file(str(runs[case]["hf"] / "model.safetensors"))
     ours = runs[case]["loaded"].module.state_dict()
