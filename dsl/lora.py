@@ -7,7 +7,7 @@ written; nothing is built.
 from __future__ import annotations
 
 from flowrl.ir.graph import ModelDecl
-from flowrl.models.lora_spec import ALL_LINEAR, LORA_KEYS, TINY_LINEAR, unmatched_targets
+from flowrl.models.lora_spec import ALL_LINEAR, LORA_KEYS, OUTPUT_HEAD, TINY_LINEAR, unmatched_targets
 
 from . import ast
 from .checks import Flow
@@ -64,9 +64,10 @@ def _check_targets(rep: Reporter, m: ModelDecl, at: Entry) -> None:
             rep.error(at.src, f"`lora_targets` lists \"{ALL_LINEAR}\" with module names", value,
                       hint=f"\"{ALL_LINEAR}\" alone adapts every linear layer but the output head")
         return
-    linear = TINY_LINEAR.get(m.source)
-    if linear is None:  # an hf: model: its layers are known once it is built (flowrl.models.lora.resolve_targets)
+    layers = TINY_LINEAR.get(m.source)
+    if layers is None:  # an hf: model: its layers are known once it is built (flowrl.models.lora.resolve_targets)
         return
+    linear = (*layers, OUTPUT_HEAD) if m.role == "policy" else layers  # a value model's head trains whole
     for item, name in zip(items, names, strict=True):
         last = name.rsplit(".", 1)[-1]  # a dotted name's path inside the model is checked when it is built
         if unmatched_targets([last], linear):

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import threading
+import warnings
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -83,6 +84,17 @@ def lora_config(spec: LoraSpec, targets: Sequence[str], module: nn.Module, **mor
     conv = any(isinstance(named.get(t), Conv1D) for t in targets)
     return peft.LoraConfig(r=spec.rank, lora_alpha=spec.alpha, lora_dropout=spec.dropout,
                            target_modules=list(targets), bias="none", fan_in_fan_out=conv, **more)
+
+
+@contextlib.contextmanager
+def _known_warnings() -> Iterator[None]:
+    """peft's warnings about what flowrl handles: GPT-2's Conv1D beside Linear layers (peft sets `fan_in_fan_out` per
+    layer), and an adapted `lm_head` tied to the embeddings (the adapter adds to the output alone; `merged_state`
+    unties them for an export)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="fan_in_fan_out is set to")
+        warnings.filterwarnings("ignore", message=".*tie_word_embeddings=True.*")
+        yield
 
 
 class AdapterSwitch:
@@ -210,7 +222,7 @@ def apply_lora(module: nn.Module, spec: LoraSpec, *, family: str | None, seed: i
     targets = resolve_targets(module, spec, family, what)
     head = [p for n, p in module.named_parameters() if n.split(".", 1)[0] == "value_head"]
     config = lora_config(spec, targets, module)
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[]), _known_warnings():
         torch.manual_seed(seed)
         peft.inject_adapter_in_model(config, module)
     for p in head:  # a critic's or reward model's new head is trained whole (peft froze it with the base)
@@ -264,16 +276,28 @@ def base_view(adapted: nn.Module) -> BaseView:
     return BaseView(adapted, adapters)
 
 
-def merged_state(module: nn.Module) -> dict[str, Tensor]:
+def merged_state(module: nn.Module) -> tuple[dict[str, Tensor], bool]:
     """The weights of the LoRA model `module` with its adapters merged into the base (peft's `merge`, in place: the
-    module is spent), named as the model without adapters: what `flowrl export` writes."""
+    module is spent), named as the model without adapters: what `flowrl export` writes; and whether a merged layer
+    was tied to another (an adapted `lm_head` tied to the input embeddings: merged apart, the model is then untied,
+    as flowrl ran it, the adapter adding to the output layer alone)."""
     from peft.tuners.tuners_utils import BaseTunerLayer
 
+    uses: dict[int, int] = {}
+    for _, p in module.named_parameters(remove_duplicate=False):
+        uses[id(p)] = uses.get(id(p), 0) + 1
+    untied = False
     with torch.no_grad():
         for m in module.modules():
-            if isinstance(m, BaseTunerLayer) and not m.merged:
-                m.merge()
-    return {base_name(k): v for k, v in module.state_dict().items() if ".lora_" not in k}
+            if not isinstance(m, BaseTunerLayer) or m.merged:
+                continue
+            base: Any = m.get_base_layer()
+            if uses.get(id(base.weight), 0) > 1:  # merging in place would change the embeddings too
+                base.weight = nn.Parameter(base.weight.detach().clone(), requires_grad=False)
+                untied = True
+            merge: Any = m.merge
+            merge()
+    return {base_name(k): v for k, v in module.state_dict().items() if ".lora_" not in k}, untied
 
 
 def save_adapter(base: nn.Module, adapted: nn.Module, out: str, base_path: str) -> None:
@@ -286,6 +310,7 @@ def save_adapter(base: nn.Module, adapted: nn.Module, out: str, base_path: str) 
     peft = import_peft()
     config = lora_config(adapters.spec, adapters.targets, base, task_type="CAUSAL_LM",
                          base_model_name_or_path=base_path)
-    wrapped = peft.get_peft_model(base, config)
+    with _known_warnings():
+        wrapped = peft.get_peft_model(base, config)
     adapters.load(wrapped.base_model.model, adapters.state(adapted))  # peft names them as flowrl's injection does
     wrapped.save_pretrained(out)

@@ -20,11 +20,12 @@ from flowrl.models.sources import hf_model_type
 if TYPE_CHECKING:
     from flowrl.ir.graph import Graph, ModelDecl
 
-__all__ = ["ALL_LINEAR", "FAMILY_TARGETS", "LORA_KEYS", "TINY_LINEAR", "LoraSpec", "base_of", "family_of",
+__all__ = ["ALL_LINEAR", "FAMILY_TARGETS", "LORA_KEYS", "OUTPUT_HEAD", "TINY_LINEAR", "LoraSpec", "base_of", "family_of",
            "lora_spec", "shares_base", "unmatched_targets"]
 
 LORA_KEYS = ("lora_rank", "lora_alpha", "lora_dropout", "lora_targets")
 ALL_LINEAR = "all-linear"  # peft's shorthand: every linear layer but the output head
+OUTPUT_HEAD = "lm_head"  # a causal LM's output layer: adapted only where a target names it
 _PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # config.json's model_type -> the attention and MLP projections a LoRA adapts by default
 FAMILY_TARGETS: dict[str, tuple[str, ...]] = {

@@ -111,8 +111,8 @@ def export_lora(graph: Mapping[str, Any], checkpoint: Path, model: str, out: str
         raise FlowError(Diagnostic(f"{checkpoint} holds no weights of `{model}`"))
     load_module_state(model, loaded.module, saved[model], bases.get(model))
     if not adapter:
-        weights = merged_state(loaded.module)
-        return export_model(weights, spec_of(graph, model, weights), out, overwrite=overwrite)
+        weights, untied = merged_state(loaded.module)
+        return export_model(weights, spec_of(graph, model, weights), out, overwrite=overwrite, untie=untied)
     if decl.role not in ("policy", "reference"):
         raise FlowError(Diagnostic(f"--adapter writes a policy's adapters, and `{model}` is a {decl.role}",
                                    hint="leave --adapter out: its adapters are merged into a one-label classifier"))

@@ -81,13 +81,13 @@ def test_targets_a_tiny_model_lacks_are_named_with_the_ones_it_has(compile_error
         '    model actor : policy { source = "tiny:gpt2", lr = 1e-2, lora_rank = 8, lora_targets = ["c_attn", '
         '"q_proj", "c_fx"] }\n'
         "                                                                                                     ^^^^^^^^\n"
-        'hint: did you mean `c_proj`? its linear modules are c_attn, c_proj, c_fc (or write "all-linear")\n'
+        'hint: did you mean `c_proj`? its linear modules are c_attn, c_proj, c_fc, lm_head (or write "all-linear")\n'
         't.flow:1:108: error: `lora_targets` names "c_fx", which matches no linear module of tiny:gpt2\n'
         '    model actor : policy { source = "tiny:gpt2", lr = 1e-2, lora_rank = 8, lora_targets = ["c_attn", '
         '"q_proj", "c_fx"] }\n'
         "                                                                                                           "
         "    ^^^^^^\n"
-        'hint: did you mean `c_fc`? its linear modules are c_attn, c_proj, c_fc (or write "all-linear")')
+        'hint: did you mean `c_fc`? its linear modules are c_attn, c_proj, c_fc, lm_head (or write "all-linear")')
 
 
 def test_targets_of_the_wrong_kind(compile_error: Callable[..., str]) -> None:

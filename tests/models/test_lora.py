@@ -159,7 +159,7 @@ def test_targets_an_hf_model_lacks_are_an_error_at_build_naming_its_layers(tmp_p
         ModelWorker(graph.models, graph.models, seed=0)
     assert info.value.render() == (
         f"{tmp_path / 'f.flow'}:1:1: error: `lora_targets` 'q_proj' match no linear module of `actor` "
-        f'(hf:{tmp_path / "hf"}); its linear modules are c_attn, c_fc, c_proj (or write "all-linear")\n'
+        f'(hf:{tmp_path / "hf"}); its linear modules are c_attn, c_fc, c_proj, lm_head (or write "all-linear")\n'
         "hint: `lora_targets` names layers by the last parts of their dotted names")
 
 
@@ -215,3 +215,30 @@ def test_one_copy_of_the_base_in_memory(tmp_path: Path) -> None:
     # the kernel's count agrees: the LoRA worker adds one copy's worth, the full one two (torch's own allocations
     # beside them are the same for both)
     assert got["lora"] < 0.7 * got["full"] and got["full"] > 1.8 * copy, got
+
+
+def test_an_adapted_lm_head_tied_to_the_embeddings_exports_untied(tmp_path: Path) -> None:
+    """GPT-2 ties its output layer to its input embeddings; an adapter on `lm_head` changes the output alone, so the
+    merged export unties them (merging in place would change the embeddings too) and gives flowrl's logits."""
+    from transformers import AutoModelForCausalLM
+
+    from flowrl.models.export import export_model
+    from flowrl.models.lora import apply_lora, merged_state
+
+    spec = ModelSpec("tiny:gpt2", {"layers": 1, "dim": 32, "heads": 2, "charset": CHARSET})
+    module = build_model(spec, 0).module
+    apply_lora(module, LoraSpec(4, targets=("c_attn", "lm_head")), family="gpt2", seed=1)
+    with torch.no_grad():
+        for n, p in module.named_parameters():
+            if ".lora_B." in n:
+                p.normal_(0, 0.5)
+    ids = torch.tensor([[13, 1, 10, 2, 11]])
+    with torch.no_grad():
+        ours = module(input_ids=ids).logits
+    weights, untied = merged_state(module)
+    assert untied and not torch.equal(weights["lm_head.weight"], weights["transformer.wte.weight"])
+    export_model(weights, spec, tmp_path / "hf", untie=untied)
+    theirs = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    assert theirs.lm_head.weight.data_ptr() != theirs.transformer.wte.weight.data_ptr()
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(input_ids=ids).logits, ours, rtol=0, atol=1e-5)
