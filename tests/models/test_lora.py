@@ -217,6 +217,31 @@ def test_one_copy_of_the_base_in_memory(tmp_path: Path) -> None:
     assert got["lora"] < 0.7 * got["full"] and got["full"] > 1.8 * copy, got
 
 
+@pytest.mark.filterwarnings("ignore:`torch.distributed.*is deprecated:FutureWarning")
+@pytest.mark.parametrize("stage", [0, 2])
+def test_the_deepspeed_engine_trains_the_adapters_as_torch_does(tmp_path: Path, stage: int) -> None:
+    """engine = "deepspeed" (ZeRO 0 and 2, CPU): its optimizer holds the adapters alone, and one update leaves them
+    where the torch engine's does; the reference still computes with the policy's base."""
+    torch_graph = load(tmp_path)
+    ds_graph = load(tmp_path, actor=f', engine = "deepspeed", zero_stage = {stage}')
+    got = {}
+    for name, graph in (("torch", torch_graph), ("deepspeed", ds_graph)):
+        worker = ModelWorker([graph.model("actor"), graph.model("ref")], graph.models, seed=0)
+        worker.update("actor", rollout(worker), {"loss": "ppo_clip"}, step_seed=0)
+        got[name] = worker.state_dict()["actor"]["module"]
+        if name == "deepspeed":
+            # what AdamW steps: the adapters themselves (ZeRO 0) or ZeRO-2's flat fp32 partition of them
+            groups = worker.trainers["actor"].optimizer.param_groups  # type: ignore[attr-defined]
+            held = sum(p.numel() for group in groups for p in group["params"])
+            trained = sum(p.numel() for p in worker.models["actor"].module.parameters() if p.requires_grad)
+            assert held == trained == sum(t.numel() for t in got[name].values())
+            policy = {p.data_ptr() for p in worker.models["actor"].module.parameters()}
+            assert all(p.data_ptr() in policy for p in worker.models["ref"].module.parameters())
+    assert got["torch"].keys() == got["deepspeed"].keys()
+    for key, value in got["torch"].items():
+        torch.testing.assert_close(got["deepspeed"][key], value, rtol=1e-4, atol=1e-6)
+
+
 def test_an_adapted_lm_head_tied_to_the_embeddings_exports_untied(tmp_path: Path) -> None:
     """GPT-2 ties its output layer to its input embeddings; an adapter on `lm_head` changes the output alone, so the
     merged export unties them (merging in place would change the embeddings too) and gives flowrl's logits."""
