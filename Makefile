@@ -3,7 +3,7 @@ PY      ?= python3
 VENV    ?= .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.flowrl-installed
-EXTRAS  ?= dev,ray,deepspeed,wandb,mlflow,tensorboard
+EXTRAS  ?= dev,ray,deepspeed,wandb,mlflow,tensorboard,lora
 # torch is pinned by constraints.txt so a CPU machine never pulls the CUDA build (see README).
 PIP     := $(BIN)/pip install -q -c constraints.txt
 

@@ -30,6 +30,7 @@ from flowrl.ir.signatures import (
     REWARD_KINDS,
     RUN_KEYS,
 )
+from flowrl.models.lora_spec import LORA_KEYS
 from flowrl.models.sources import hf_positions
 
 from . import ast
@@ -40,6 +41,7 @@ from .environments import EnvInfo, attach_envs, env_bindings, lower_envs
 from .evals import EvalContext, lower_evals
 from .keys import Entry as _Entry
 from .keys import check_value
+from .lora import check_lora
 from .overrides import Overrides, parse_overrides
 from .placement import Placer, ReplicasAt
 from .steps import Body, DataSource, StepLowering, may_train, trainable_when_updated
@@ -148,10 +150,11 @@ class _Lowering:
                             lambda d: self._block(d.entries, ovr.evals.get(d.name.name, ()), ovr, EVAL_KEYS, "eval"),
                             lambda block: self._filled(block, EVAL_KEYS, "eval"))
         if not self.rep.diagnostics:  # checks across declarations and nodes, on a flow that is right so far
-            check_flow(self.rep, Flow(self.src, models, self._model_blocks, data,
-                                      {d.name.name: d for d in data_ast}, self._data_blocks, self._prompts,
-                                      self._shown, nodes, steps.written, str(run.get("device", "auto")), envs,
-                                      frozenset(e.data for e in evals)))
+            checked = Flow(self.src, models, self._model_blocks, data, {d.name.name: d for d in data_ast},
+                           self._data_blocks, self._prompts, self._shown, nodes, steps.written,
+                           str(run.get("device", "auto")), envs, frozenset(e.data for e in evals))
+            check_flow(self.rep, checked)
+            check_lora(self.rep, checked)
         placements = [d for d in self.module.decls if isinstance(d, ast.PlacementDecl)]
         pools, groups, nodes = Placer(self.rep, models, replicas_at).place(placements, self.src, nodes)
         flow = self._flow_name()
@@ -322,6 +325,8 @@ class _Lowering:
             if name in own:  # a model with weights of its own: can its config make one?
                 check_shape(self.rep, self.src, d, block, source, config)
             fields = self._filled(block, MODEL_KEYS, "model", skip=(*CONFIG_KEYS, "source", "replicas"))
+            if "lora_rank" not in block:  # no adapters: no LoRA keys (one written alone is reported, dsl/lora.py)
+                fields = {k: v for k, v in fields.items() if k not in LORA_KEYS}
             trainable = fields.pop("trainable", None)
             if trainable is None:
                 trainable = role in TRAINABLE_ROLES

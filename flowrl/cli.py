@@ -144,6 +144,8 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--stage", default=None, metavar="NAME",
                    help="a pipeline's run: this stage's checkpoints (default: the last stage that holds the model)")
     c.add_argument("--overwrite", action="store_true", help="replace the model directory DIR already holds")
+    c.add_argument("--adapter", action="store_true",
+                   help="a LoRA model: write its adapters as a peft adapter directory (default: merged into the base)")
 
     c = verb("fuse-schedule", "Schedule two models' pipelined training side by side on the same nodes (RLHFuse "
              "intra-stage fusion): greedy, then simulated annealing for makespan, then for peak memory.",
@@ -424,7 +426,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     from flowrl.runtime.export_run import export_run
 
     found, done = export_run(args.run_dir, args.output, model=args.model, step=args.step, stage=args.stage,
-                             overwrite=args.overwrite)
+                             overwrite=args.overwrite, adapter=args.adapter)
     where = f"stage {found.stage}, " if found.stage is not None else ""
     print(f"wrote {done.path}: `{found.model}` ({where}step {found.step}) as {done.architecture}, {done.dtype}")
     for note in done.notes:

@@ -22,7 +22,9 @@ def in_process_groups(graph: Graph, *, seed: int, device: str,
     for wg in graph.worker_groups:
         fresh = [graph.model(m) for m in wg.models if m not in built]
         if fresh:
-            worker = ModelWorker(fresh, graph.models, seed=seed, device=device)
+            # the group's models built already: a reference here may share a LoRA policy's base with one of them
+            peers = {m: built[m].models[m] for m in wg.models if m in built}
+            worker = ModelWorker(fresh, graph.models, seed=seed, device=device, peers=peers)
             built.update({m.name: worker for m in fresh})
         world = world_of(wg.ranks)
         groups.append(InProcessGroup(wg.name, {m: built[m] for m in wg.models}, world, pool_of(wg.name, world)))

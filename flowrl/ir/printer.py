@@ -6,8 +6,9 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from flowrl.ir.graph import EvalDecl, Graph, Node, Range, Ref, Value
+from flowrl.ir.graph import EvalDecl, Graph, ModelDecl, Node, Range, Ref, Value
 from flowrl.ir.signatures import MODEL_KEYS
+from flowrl.models.lora_spec import base_of, family_of, lora_spec, shares_base
 
 
 def format_value(v: Value) -> str:
@@ -78,7 +79,7 @@ def to_text(g: Graph) -> str:
         extra.update(m.config)
         # declared, but in no worker group (pass drop-reference): no backend builds it
         unbuilt = "  # not built: no worker group holds it" if g.worker_groups and m.name not in grouped else ""
-        lines.append(f"model {m.name} : {m.role} <- {src} {{{_kv(extra)}}}{unbuilt}")
+        lines.append(f"model {m.name} : {m.role} <- {src} {{{_kv(extra)}}}{_lora_label(g, m)}{unbuilt}")
     for r in g.rewards:
         source = f'http("{r.target}")' if r.kind == "http" else r.target
         opts = ", ".join(f"{k} = {json.dumps(_json_value(v))}" for k, v in r.options.items())
@@ -105,6 +106,31 @@ def to_text(g: Graph) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _lora_label(g: Graph, m: ModelDecl) -> str:
+    """` lora {rank=8, ...}` for a model with adapters; for a reference on a LoRA policy, whose base it is and
+    whether it shares that policy's weights (flowrl.models.lora_spec.shares_base); "" otherwise."""
+    spec = lora_spec(m.options)
+    if spec is not None:
+        return f" lora {{{spec.label(family_of(m.source))}}}"
+    src = base_of(m, {d.name: d for d in g.models})
+    if src is None:
+        return ""
+    if shares_base(g, m):
+        return f"  # ref: base of {src} (adapters off), sharing its weights"
+    return f"  # ref: base of {src} (adapters off), a copy of its own: not in {src}'s worker group"
+
+
+def _lora_json(g: Graph, m: ModelDecl) -> dict[str, Any]:
+    """graph.json's LoRA entries of a model (none for a model without): what `flowrl export` rebuilds it from."""
+    spec = lora_spec(m.options)
+    dtype = str(m.options.get("dtype", "float32"))
+    if spec is not None:
+        return {"lora": {"rank": spec.rank, "alpha": spec.alpha, "dropout": spec.dropout,
+                         "targets": "all-linear" if spec.all_linear else list(spec.targets)}, "dtype": dtype}
+    src = base_of(m, {d.name: d for d in g.models})
+    return {"base_of": src, "shares_base": shares_base(g, m), "dtype": dtype} if src is not None else {}
+
+
 def _json_value(v: Any) -> Any:
     if isinstance(v, (Range, Ref)):
         return str(v)
@@ -126,7 +152,7 @@ def to_json(g: Graph) -> dict[str, Any]:
                 "name": m.name, "role": m.role, "source": m.source_model or m.source,
                 "trainable": m.trainable, "lr": m.lr, "engine": m.engine, "gpus": m.gpus,
                 "replicas": _json_value(m.replicas), "config": _json_value(m.config),
-                "options": _json_value(m.options), "base_source": m.source, "loc": str(m.loc),
+                "options": _json_value(m.options), "base_source": m.source, "loc": str(m.loc), **_lora_json(g, m),
             }
             for m in g.models
         ],

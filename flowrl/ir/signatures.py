@@ -24,14 +24,17 @@ class Limit:
     hi: float | None = None
     above: bool = False  # `lo` itself is excluded (a learning rate above 0)
     why: str | None = None
+    below: bool = False  # `hi` itself is excluded (a dropout probability below 1)
 
     def holds(self, v: float) -> bool:
         if self.lo is not None and (v <= self.lo if self.above else v < self.lo):
             return False
-        return self.hi is None or v <= self.hi
+        return self.hi is None or (v < self.hi if self.below else v <= self.hi)
 
     def __str__(self) -> str:
         lo = None if self.lo is None else f"{_num(self.lo)}"
+        if lo is not None and self.hi is not None and self.below:
+            return f"{'above' if self.above else 'at least'} {lo} and below {_num(self.hi)}"
         if lo is not None and self.hi is not None:
             return (f"above {lo} and at most {_num(self.hi)}" if self.above
                     else f"between {lo} and {_num(self.hi)}")
@@ -307,6 +310,11 @@ MODEL_KEYS: dict[str, tuple[str, Value]] = {
     "offload": ("bool", False),  # engine = "deepspeed": ZeRO optimizer offload to CPU
     # a reward_model's score of a response cut off before EOS (at max_tokens), less this (TRL's missing_eos_penalty)
     "missing_eos_penalty": ("float", 0.0),
+    # LoRA (verl's names): a rank trains low-rank adapters on a frozen base instead of every weight (peft)
+    "lora_rank": ("int", None),  # none: no adapters, the model trains all its weights
+    "lora_alpha": ("float", 16.0),  # the adapters' scale is lora_alpha / lora_rank
+    "lora_dropout": ("float", 0.0),  # dropout on the adapters' input while the model trains
+    "lora_targets": ("any", None),  # none: the architecture's attention and MLP projections; "all-linear"; names
 }
 ENGINES = ("torch", "vllm", "deepspeed")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -415,6 +423,8 @@ KEY_LIMITS: dict[str, dict[str, Limit]] = {
         "layers": POSITIVE, "dim": POSITIVE, "heads": POSITIVE, "vocab": POSITIVE,
         "context": Limit(2, why="the prompt's first token and one generated token need two positions"),
         "dropout": Limit(0, 0.99),
+        "lora_rank": POSITIVE, "lora_alpha": ABOVE_ZERO,
+        "lora_dropout": Limit(0, 1, below=True, why="the share of the adapters' inputs dropped while training"),
     },
     "data": {"batch": POSITIVE, "limit": Limit(0, why="0 uses every row")},
     "run": {

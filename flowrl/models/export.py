@@ -89,13 +89,16 @@ def check_out(out: Path, overwrite: bool) -> None:
 
 
 def export_model(weights: Mapping[str, Tensor], spec: ModelSpec, out: str | Path, *,
-                 overwrite: bool = False) -> Exported:
+                 overwrite: bool = False, untie: bool = False) -> Exported:
     """Write `weights` (a state dict of the model `spec` builds) to `out` as a Hugging Face directory (see the module
-    docstring); raises `FlowError` for what a user can fix (where to write, a source directory gone)."""
+    docstring); raises `FlowError` for what a user can fix (where to write, a source directory gone). `untie`: the
+    output layer's weights are its own, not the input embeddings' (a merged LoRA adapter on a tied `lm_head`)."""
     out = Path(out)
     check_out(out, overwrite)
     dtype = _dtype_of(weights)
     config, tokenizer_from = _config(spec)
+    if untie:
+        config.tie_word_embeddings = False
     notes: list[str] = []
     with quiet_transformers(), torch.random.fork_rng(devices=[]):  # from_config initialises weights we overwrite
         if spec.role in VALUE_ROLES:

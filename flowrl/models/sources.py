@@ -11,8 +11,8 @@ from collections.abc import Mapping
 
 from flowrl.models.tokenizer import ByteTokenizer, CharTokenizer
 
-__all__ = ["device_problem", "hf_positions", "hf_score_head", "hf_source_problem", "tiny_shape_problem",
-           "tiny_tokenizer"]
+__all__ = ["device_problem", "hf_model_type", "hf_positions", "hf_score_head", "hf_source_problem",
+           "tiny_shape_problem", "tiny_tokenizer"]
 
 
 def tiny_shape_problem(family: str, config: Mapping[str, object]) -> tuple[str, str] | None:
@@ -54,6 +54,12 @@ def hf_positions(path: str) -> int | None:
         if isinstance(value, int) and not isinstance(value, bool) and value > 0:  # `true` is no context
             return value
     return None
+
+
+def hf_model_type(path: str) -> str | None:
+    """A local HF checkpoint's architecture family (config.json's `model_type`: "gpt2", "llama", "qwen2"...)."""
+    kind = _hf_config(path).get("model_type")
+    return kind if isinstance(kind, str) and kind else None
 
 
 def hf_score_head(path: str) -> bool:

@@ -23,9 +23,16 @@ def checkpoint_weights(path: Path) -> dict[str, dict[str, torch.Tensor]]:
     """Every model's weights in a checkpoint (`runner._save_checkpoint`), by model name, whole: a model held by
     several groups is read from the one that trains it (a generation group of an asynchronous run may be versions
     behind), and where DeepSpeed ZeRO-3 partitioned a tensor, the module's own state holds an empty placeholder and
-    the trainer's state the gathered tensor (`DeepSpeedTrainEngine.state_dict`)."""
+    the trainer's state the gathered tensor (`DeepSpeedTrainEngine.state_dict`). A LoRA model's weights are its
+    trained tensors (flowrl.runtime.lora_state)."""
+    return read_checkpoint(path)[0]
+
+
+def read_checkpoint(path: Path) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, str]]:
+    """`checkpoint_weights`, and the digest of each LoRA model's base (flowrl.runtime.lora_state.BASE)."""
     state = torch.load(path, map_location="cpu", weights_only=False)
     out: dict[str, dict[str, torch.Tensor]] = {}
+    bases: dict[str, str] = {}
     trained: set[str] = set()
     for group in state["groups"].values():
         for model, s in group.items():
@@ -37,7 +44,9 @@ def checkpoint_weights(path: Path) -> dict[str, dict[str, torch.Tensor]]:
                           for k, v in s["module"].items()}
             if trainer is not None:
                 trained.add(model)
-    return out
+            if isinstance(s.get("base"), str):
+                bases[model] = s["base"]
+    return out, bases
 
 
 def fit_weights(own: Weights, given: Weights, model: str = "model") -> dict[str, torch.Tensor]:

@@ -39,12 +39,14 @@ class RunModel:
 
 
 def export_run(run_dir: str | Path, out: str | Path, *, model: str | None = None, step: int | None = None,
-               stage: str | None = None, overwrite: bool = False) -> tuple[RunModel, Exported]:
+               stage: str | None = None, overwrite: bool = False, adapter: bool = False) -> tuple[RunModel, Exported]:
     """Write `model` (default: the policy the run trains) of the run in `run_dir` at `step` (default: its last
-    checkpoint) to `out` as a Hugging Face directory (flowrl.models.export)."""
+    checkpoint) to `out` as a Hugging Face directory (flowrl.models.export); `adapter`: a LoRA model's adapters as a
+    peft adapter directory instead of merged into its base."""
     found = find_model(run_dir, model=model, step=step, stage=stage)
     check_out(Path(out), overwrite)  # before the checkpoint is read
-    return found, export_checkpoint(found.graph, found.checkpoint, found.model, out, overwrite=overwrite)
+    return found, export_checkpoint(found.graph, found.checkpoint, found.model, out, overwrite=overwrite,
+                                    adapter=adapter)
 
 
 def find_model(run_dir: str | Path, *, model: str | None = None, step: int | None = None,

@@ -27,6 +27,7 @@ from flowrl.engines.training import all_reduce_sum, data_parallel_world
 from flowrl.ir.attrs import ForwardAttrs, GenerateAttrs, UpdateAttrs
 from flowrl.ir.graph import ModelDecl
 from flowrl.models.build import LoadedModel
+from flowrl.models.lora_spec import base_of
 from flowrl.runtime.batch import Batch
 from flowrl.runtime.chunks import (
     ChunkForward,
@@ -38,7 +39,16 @@ from flowrl.runtime.chunks import (
     score_chunks,
 )
 from flowrl.runtime.env_rollout import EnvPools, env_generate, env_spec_of, env_stream
-from flowrl.runtime.model_init import init_model, model_seed, resolve_device
+from flowrl.runtime.lora_state import (
+    adapter_dropout,
+    base_entry,
+    check_base,
+    load_module_state,
+    load_trainer_state,
+    module_state,
+    trainer_state,
+)
+from flowrl.runtime.model_init import init_model, model_seed, resolve_device, shared_base
 from flowrl.runtime.preference import with_last_slot
 from flowrl.runtime.preference_update import PairUpdate, evaluate, is_data_batch, token_rows, update_on_rows
 from flowrl.runtime.prompts import PromptEncoder, prompt_slots, prompt_texts
@@ -61,7 +71,9 @@ class ModelWorker:
     """Holds the models named in `models` (colocated on this rank) and their optimizers."""
 
     def __init__(self, models: Sequence[ModelDecl], all_models: Sequence[ModelDecl], *, seed: int,
-                 device: str = "cpu", rank: int = 0, world: int = 1):
+                 device: str = "cpu", rank: int = 0, world: int = 1, peers: Mapping[str, LoadedModel] | None = None):
+        """`peers`: models of the same group built by another worker of this process (in-process backends), which a
+        reference on a LoRA policy may share its base with."""
         self.device = resolve_device(device)
         self.rank, self.world = rank, world
         decls = {m.name: m for m in all_models}
@@ -72,13 +84,15 @@ class ModelWorker:
         self.growing: dict[str, tuple[str, IncrementalScorer]] = {}  # node id -> (fused stage, its scorer)
         self.envs = EnvPools()  # generate with `env`: warm pools kept across steps, closed with the worker
         weakref.finalize(self, self.envs.close)
-        for m in models:
+        held = dict(peers or {})
+        # a reference on a LoRA policy held here is that policy's base (adapters off): the policy is built first
+        for m in sorted(models, key=lambda m: base_of(m, decls) is not None):
             options: Mapping[str, Any] = m.options
             check_engine(m.engine, m.role, model=m.name, trainable=m.trainable, source=m.source,
                          device=str(self.device), options=options, loc=m.loc)
-            loaded = init_model(m, decls, seed)
+            loaded = shared_base(m, decls, held) or init_model(m, decls, seed)
             loaded.module.to(self.device)
-            self.models[m.name] = loaded
+            self.models[m.name] = held[m.name] = loaded
             if m.trainable:
                 # Modules stay in eval mode: dropout off, as RLHF trainers run (old and new log-probs must agree).
                 self.trainers[m.name] = make_trainer(
@@ -92,6 +106,7 @@ class ModelWorker:
 
                 self.generators[m.name] = VLLMGenerator(m.source, loaded.tokenizer, seed=model_seed(seed, m.name),
                                                         dtype=str(options.get("dtype", "float32")))
+        self.models = {m.name: self.models[m.name] for m in models}
 
     # ---- inference methods -------------------------------------------------------------------------
     def generate(self, model: str, prompts: Batch, attrs: Mapping[str, Any], *, step_seed: int,
@@ -277,6 +292,11 @@ class ModelWorker:
                turn: Turn | None = None) -> dict[str, float]:
         """Epochs x mini-batches of optimizer steps; each mini-batch is split into micro-batches whose losses
         are scaled by the whole mini-batch's denominators, so the update does not depend on the split."""
+        with adapter_dropout(self.models[model].module):  # a LoRA model's `lora_dropout`, during updates only
+            return self._update(model, batch, attrs, step_seed=step_seed, turn=turn)
+
+    def _update(self, model: str, batch: Batch, attrs: Mapping[str, Any], *, step_seed: int,
+                turn: Turn | None) -> dict[str, float]:
         role = self.decls[model].role
         engine = self.trainers[model]
         a = UpdateAttrs.of(attrs)
@@ -346,12 +366,14 @@ class ModelWorker:
 
     # ---- state -------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Every model's weights and its trainer's state. With several ranks every rank must call it (a DeepSpeed
-        trainer gathers its ZeRO partitions onto rank 0: collectives); rank 0's is the group's state and the other
-        ranks return {} (their share is in rank 0's)."""
+        """Every model's weights and its trainer's state; a LoRA model's are its adapters' (flowrl.runtime.lora_state),
+        a reference sharing its base holds none. With several ranks every rank must call it (a DeepSpeed trainer
+        gathers its ZeRO partitions onto rank 0: collectives); rank 0's is the group's state and the other ranks
+        return {} (their share is in rank 0's)."""
         state = {
-            name: {"module": m.module.state_dict(),
-                   "optim": self.trainers[name].state_dict() if name in self.trainers else None}
+            name: {"module": module_state(m.module),
+                   "optim": trainer_state(self.trainers[name], m.module) if name in self.trainers else None,
+                   **base_entry(m.module)}
             for name, m in self.models.items()
         }
         return state if self.rank == 0 else {}
@@ -360,24 +382,28 @@ class ModelWorker:
         for name, s in state.items():
             if name not in self.models:
                 continue
+            module = self.models[name].module
             if s.get("optim") is not None and name in self.trainers:
                 # The trainer restores the weights too: a ZeRO-3 module's own load_state_dict cannot (its
-                # partitioned tensors are empty placeholders; the engine scatters the saved whole weights).
-                self.trainers[name].load_state_dict(s["optim"])
+                # partitioned tensors are empty placeholders; the engine scatters the saved whole weights). A LoRA
+                # model's adapters are checked against the base they were trained on first.
+                check_base(name, module, s.get("base"))
+                load_trainer_state(self.trainers[name], module, s["optim"])
             else:
-                self.models[name].module.load_state_dict(s["module"])
-            weights_changed(self.models[name].module)
+                load_module_state(name, module, s["module"], s.get("base"))
+            weights_changed(module)
             if name in self.generators:
-                self.generators[name].load_weights(self.models[name].module.state_dict())
+                self.generators[name].load_weights(module.state_dict())
 
     def weights(self, model: str, packed: bool = False) -> dict[str, Any]:
-        """`model`'s weights on the host; `packed`: as numpy arrays, for Ray's object store (runtime.transport)."""
-        out = {k: v.detach().cpu() for k, v in self.models[model].module.state_dict().items()}
+        """`model`'s weights on the host (a LoRA model's adapters: what moves between groups); `packed`: as numpy
+        arrays, for Ray's object store (runtime.transport)."""
+        out = {k: v.detach().cpu() for k, v in module_state(self.models[model].module).items()}
         return pack(out) if packed else out
 
     def load_weights(self, model: str, weights: Mapping[str, Any]) -> None:
         """Weights as `weights` returns them, packed or not."""
-        self.models[model].module.load_state_dict(unpack(weights))
+        load_module_state(model, self.models[model].module, unpack(weights))
         weights_changed(self.models[model].module)
 
     def close(self) -> None:
