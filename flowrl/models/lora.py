@@ -90,10 +90,12 @@ def lora_config(spec: LoraSpec, targets: Sequence[str], module: nn.Module, **mor
 def _known_warnings() -> Iterator[None]:
     """peft's warnings about what flowrl handles: GPT-2's Conv1D beside Linear layers (peft sets `fan_in_fan_out` per
     layer), and an adapted `lm_head` tied to the embeddings (the adapter adds to the output alone; `merged_state`
-    unties them for an export)."""
+    unties them for an export); and, saving adapters, no config yet at the base's path (an export writes the base
+    after its adapters: the vocabulary is the base's own either way)."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="fan_in_fan_out is set to")
         warnings.filterwarnings("ignore", message=".*tie_word_embeddings=True.*")
+        warnings.filterwarnings("ignore", message="Could not find a config file in")
         yield
 
 
@@ -310,7 +312,9 @@ def save_adapter(base: nn.Module, adapted: nn.Module, out: str, base_path: str) 
     peft = import_peft()
     config = lora_config(adapters.spec, adapters.targets, base, task_type="CAUSAL_LM",
                          base_model_name_or_path=base_path)
+    base.name_or_path = base_path  # what peft writes as base_model_name_or_path (a model built from a config has "")
     with _known_warnings():
         wrapped = peft.get_peft_model(base, config)
     adapters.load(wrapped.base_model.model, adapters.state(adapted))  # peft names them as flowrl's injection does
-    wrapped.save_pretrained(out)
+    with _known_warnings():
+        wrapped.save_pretrained(out)

@@ -134,4 +134,5 @@ def test_export_adapter_writes_a_peft_directory(straight: dict[str, Any], tmp_pa
         theirs = model(input_ids=torch.tensor(IDS)).logits
         ours = policy(input_ids=torch.tensor(IDS)).logits
     torch.testing.assert_close(theirs, ours, rtol=0, atol=1e-5)
-    assert json.loads((out / "adapter_config.json").read_text())["r"] == 4
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert config["r"] == 4 and config["base_model_name_or_path"] == str(out / "base")  # where its base is
