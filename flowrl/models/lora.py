@@ -312,7 +312,7 @@ def save_adapter(base: nn.Module, adapted: nn.Module, out: str, base_path: str) 
     peft = import_peft()
     config = lora_config(adapters.spec, adapters.targets, base, task_type="CAUSAL_LM",
                          base_model_name_or_path=base_path)
-    base.name_or_path = base_path  # what peft writes as base_model_name_or_path (a model built from a config has "")
+    base.__dict__["name_or_path"] = base_path  # peft writes it as base_model_name_or_path (from a config: "")
     with _known_warnings():
         wrapped = peft.get_peft_model(base, config)
     adapters.load(wrapped.base_model.model, adapters.state(adapted))  # peft names them as flowrl's injection does
