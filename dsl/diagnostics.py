@@ -7,12 +7,13 @@ source line and a caret under the node. `did_you_mean` gives the "did you mean `
 from __future__ import annotations
 
 import difflib
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
+from typing import TypeVar
 
 from flowrl.errors import Diagnostic, FlowError, Loc
 
-from .ast import Located, Span, strip_comment
+from .ast import EvalDecl, Located, Span, StageDecl, strip_comment
 
 
 @dataclass(frozen=True)
@@ -124,3 +125,20 @@ class Reporter:
             return (d.loc.path != main_path, d.loc.path, d.loc.line, d.loc.col)
 
         raise FlowError(sorted(self.diagnostics, key=key))
+
+
+N = TypeVar("N", EvalDecl, StageDecl)
+
+
+def unique_named(rep: Reporter, src: Source, decls: Sequence[N], what: str) -> list[N]:
+    """`decls` but those whose name an earlier one took, each of those an error at its name (`what`: "eval",
+    "stage", ...)."""
+    first: dict[str, N] = {}
+    for d in decls:
+        name = d.name.name
+        if name in first:
+            rep.error(src, f"duplicate {what} name `{name}`", d.name,
+                      hint=f"`{name}` is first declared on line {first[name].line}; {what} names must be unique")
+            continue
+        first[name] = d
+    return list(first.values())

@@ -17,7 +17,7 @@ from flowrl.ir.signatures import TINY_SOURCES
 from flowrl.models.sources import hf_positions, tiny_tokenizer
 
 from . import ast
-from .diagnostics import Reporter, Source, did_you_mean
+from .diagnostics import Reporter, Source, did_you_mean, unique_named
 from .keys import Entry
 
 Block = dict[str, Entry]
@@ -78,14 +78,7 @@ def lower_evals(rep: Reporter, src: Source, decls: Sequence[ast.EvalDecl], ctx: 
                 filled: FilledFn) -> list[EvalDecl]:
     """The resolved evaluations; problems reported to `rep` (a block with a problem is left out)."""
     out: list[EvalDecl] = []
-    first: dict[str, ast.EvalDecl] = {}
-    for d in decls:
-        name = d.name.name
-        if name in first:
-            rep.error(src, f"duplicate eval name `{name}`", d.name,
-                      hint=f"`{name}` is first declared on line {first[name].line}; eval names must be unique")
-            continue
-        first[name] = d
+    for d in unique_named(rep, src, decls, "eval"):
         resolved = _lower_one(rep, src, d, ctx, block(d), filled)
         if resolved is not None:
             out.append(resolved)

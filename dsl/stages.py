@@ -30,7 +30,7 @@ from flowrl.ir.verify import verify
 from flowrl.models.sources import hf_score_head, hf_source_problem
 
 from . import ast
-from .diagnostics import Reporter, Source, did_you_mean
+from .diagnostics import Reporter, Source, did_you_mean, unique_named
 from .evals import EvalContext, eval_model, generate_max_tokens
 from .lower import lower
 from .overrides import OVERRIDES_PATH
@@ -122,14 +122,9 @@ def _stages(module: ast.Module, src: Source, rep: Reporter) -> list[ast.StageDec
     for extra in [d for d in module.decls if isinstance(d, ast.RunDecl)][1:]:
         rep.error(src, "a flow has at most one `run` block", extra,
                   hint="merge the two; a stage's own settings go in its `run { }`")
-    first: dict[str, ast.StageDecl] = {}
-    for s in stages:
+    named = unique_named(rep, src, stages, "stage")
+    for s in named:
         name = s.name.name
-        if name in first:
-            rep.error(src, f"duplicate stage name `{name}`", s.name,
-                      hint=f"`{name}` is first declared on line {first[name].line}; stage names must be unique")
-            continue
-        first[name] = s
         iterations = [i for i in s.items if isinstance(i, (ast.UseDecl, ast.StepDecl))]
         if not iterations:
             rep.error(src, f"stage `{name}` has no `use` or `step`", s.name,
@@ -142,7 +137,7 @@ def _stages(module: ast.Module, src: Source, rep: Reporter) -> list[ast.StageDec
             for more in blocks[1:]:
                 rep.error(src, f"a stage has at most one `{word}` block", more,
                           hint=f"merge it into the one on line {blocks[0].line}")
-    return list(first.values())
+    return named
 
 
 def _split_overrides(overrides: Mapping[str, str], stages: Sequence[ast.StageDecl],

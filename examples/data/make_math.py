@@ -23,7 +23,7 @@ ADD = ("gets", "finds", "buys")
 TAKE = ("eats", "loses", "gives away")
 
 
-def _count(n: int, noun: str) -> str:
+def count(n: int, noun: str) -> str:
     return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
@@ -37,16 +37,16 @@ def problems(seed: int = 0) -> list[dict[str, object]]:
     rows: list[tuple[str, Fraction]] = []
     for a, b in itertools.product(range(5), repeat=2):
         name, thing = rng.choice(NAMES), rng.choice(THINGS)
-        rows.append((f"{name} has {_count(a, thing)} and {rng.choice(ADD)} {b} more. how many now?", Fraction(a + b)))
+        rows.append((f"{name} has {count(a, thing)} and {rng.choice(ADD)} {b} more. how many now?", Fraction(a + b)))
         if a >= b:
             name, thing = rng.choice(NAMES), rng.choice(THINGS)
-            rows.append((f"{name} has {_count(a, thing)} and {rng.choice(TAKE)} {b}. how many left?", Fraction(a - b)))
+            rows.append((f"{name} has {count(a, thing)} and {rng.choice(TAKE)} {b}. how many left?", Fraction(a - b)))
     for a, b in itertools.product(range(1, 4), repeat=2):
         name, thing = rng.choice(NAMES), rng.choice(THINGS)
-        rows.append((f"{name} has {_count(a, 'bag')} of {_count(b, thing)}. how many {thing}s?", Fraction(a * b)))
+        rows.append((f"{name} has {count(a, 'bag')} of {count(b, thing)}. how many {thing}s?", Fraction(a * b)))
     for a in range(1, 7):
         name = rng.choice(NAMES)
-        rows.append((f"{name} shares {_count(a, 'pie')} with a friend. how much each?", Fraction(a, 2)))
+        rows.append((f"{name} shares {count(a, 'pie')} with a friend. how much each?", Fraction(a, 2)))
     rng.shuffle(rows)
     out: list[dict[str, object]] = []
     for prompt, value in rows:

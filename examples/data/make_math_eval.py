@@ -12,21 +12,14 @@ character is in `CHARSET`, the charset of examples/math_eval.flow.
 from __future__ import annotations
 
 import itertools
-import json
 import random
+import sys
 from pathlib import Path
 
-HERE = Path(__file__).parent
-CHARSET = "abcdefghijklmnopqrstuvwxyz0123456789 .?/"
-NAMES = ("ann", "bob", "kim", "sam", "tom", "eve")
-THINGS = ("apple", "pen", "card", "egg", "cup", "hat")
-ADD = ("gets", "finds", "buys")
-TAKE = ("eats", "loses", "gives away")
+sys.path.insert(0, str(Path(__file__).parent))  # its sibling, also when loaded by file path (the tests)
+from make_math import ADD, CHARSET, HERE, NAMES, TAKE, THINGS, count, write  # noqa: E402  math_word's words
+
 TRAIN, HELD_OUT = 5, 2  # sentences per sum in each split
-
-
-def _count(n: int, noun: str) -> str:
-    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
 def sums() -> list[tuple[str, int, int]]:
@@ -39,8 +32,8 @@ def sentence(rng: random.Random, kind: str, a: int, b: int) -> tuple[str, int]:
     """One way of asking `kind` (a, b), and its answer."""
     name, thing = rng.choice(NAMES), rng.choice(THINGS)
     if kind == "add":
-        return f"{name} has {_count(a, thing)} and {rng.choice(ADD)} {b} more. how many now? ", a + b
-    return f"{name} has {_count(a, thing)} and {rng.choice(TAKE)} {b}. how many left? ", a - b
+        return f"{name} has {count(a, thing)} and {rng.choice(ADD)} {b} more. how many now? ", a + b
+    return f"{name} has {count(a, thing)} and {rng.choice(TAKE)} {b}. how many left? ", a - b
 
 
 def splits(seed: int = 0) -> tuple[list[dict[str, object]], list[dict[str, object]]]:
@@ -62,12 +55,6 @@ def splits(seed: int = 0) -> tuple[list[dict[str, object]], list[dict[str, objec
     assert not {r["prompt"] for r in train} & {r["prompt"] for r in held}
     assert all(set(str(r["prompt"])) <= set(CHARSET) for r in train + held)
     return train, held
-
-
-def write(path: Path, rows: list[dict[str, object]]) -> None:
-    with path.open("w", encoding="utf-8") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from flowrl.dsl import compile_flow, load
 from flowrl.dsl.lower import CONFIG_KEYS, FIELD_KEYS
 from flowrl.ir.graph import CONTROLLER, Graph, Range
 from flowrl.ir.signatures import MODEL_KEYS, RUN_KEYS
+from flowrl.models.lora_spec import LORA_KEYS
 
 Compile = Callable[..., Graph]
 Check = Callable[..., str]
@@ -87,7 +88,8 @@ def test_declarations(compile_ok: Compile, in_flows: Path) -> None:
         "tiny:gpt2", None, True, 1e-5, "vllm", 1.0)
     assert dict(actor.config) == {"layers": 2, "dim": 64, "heads": 2, "context": 512, "dropout": 0.0}
     # the other keys, defaults filled in
-    others = {k: d for k, (_, d) in MODEL_KEYS.items() if k not in (*CONFIG_KEYS, *FIELD_KEYS)}
+    # (the LoRA keys only on a model with `lora_rank`: tests/dsl/test_lora_keys.py)
+    others = {k: d for k, (_, d) in MODEL_KEYS.items() if k not in (*CONFIG_KEYS, *FIELD_KEYS, *LORA_KEYS)}
     assert dict(actor.options) == others and others["dtype"] == "float32"
     assert (ref.source, ref.source_model, ref.trainable, ref.lr) == ("tiny:gpt2", "actor", False, None)
     assert dict(ref.config) == {**actor.config, "dropout": 0.1}
