@@ -1,6 +1,7 @@
 """DAPO learns the arithmetic example: examples/grpo_arith.flow with `use grpo(...)` swapped for `use dapo(...)` (the
-same line, one word changed: dynamic sampling on, clip-higher, no KL), its 300 steps on the local backend: the mean
-reward over the last 10 steps is clearly above the first 10's. And the mix of easy and out-of-reach sums learns."""
+same line, one word changed: dynamic sampling on, clip-higher, no KL), 150 of its 300 steps on the local backend:
+the mean reward over the last 10 steps is clearly above the first 10's. And the mix of easy and out-of-reach sums
+learns."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ def test_dapo_learns_the_arithmetic_example(tmp_path: Path) -> None:
     flow = example.with_name(f".{tmp_path.name}_dapo.flow")  # next to the example's data
     flow.write_text(example.read_text().replace("use grpo(", "use dapo("))
     try:
-        graph = flowrl.load(str(flow))
+        graph = flowrl.load(str(flow), {"run.steps": 150})  # seed 0: 0.05 -> 0.62 by step 150 (0.89 at 300)
     finally:
         flow.unlink()
     assert graph.template == "dapo"
