@@ -30,7 +30,7 @@ typecheck: setup
 	$(BIN)/mypy -p flowrl
 
 test: lint typecheck
-	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not autoscaling"
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not autoscaling" --durations=25
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m autoscaling
 
 # TRL lives in its own venv (bench/.venv-trl, gitignored), never in .venv; created on first use.
