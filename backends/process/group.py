@@ -103,7 +103,10 @@ def _serve(conn: Connection, export: Any, rank: int, world: int, port: int, mode
             else:
                 _send(conn, ("ok", getattr(worker, method)(*args, **kwargs)))
         except Exception as e:  # the parent re-raises it where the call was made
-            _send(conn, ("error", e))
+            try:
+                _send(conn, ("error", e))
+            except Exception:  # an exception that does not pickle: its type and text, rather than no answer
+                _send(conn, ("error", RuntimeError(f"{type(e).__name__}: {e}")))
     worker.close()  # told to stop: its environment pools' processes end now, not when this one exits
 
 
@@ -137,34 +140,52 @@ class ProcessRanks:
                 child, export, rank, world, port, [_plain(d) for d in decls], [_plain(d) for d in every], seed,
                 device, threads))
             proc.start()
+            child.close()  # the rank's end lives in the rank alone: its exit is then an EOF here, not a silence
             self.conns.append(parent)
             self.exports.append(export)
             self.procs.append(proc)
         self.pads = {m: int(self.on_rank(0, "pad_id", m)) for m in self.models}
 
     # -- calls -------------------------------------------------------------------------------------------
-    @staticmethod
-    def _reply(conn: Connection) -> Any:
-        kind, payload = _recv(conn)
+    def _read(self, rank: int) -> Any:
+        """The next message from `rank`; a rank that ended without answering (killed, or crashed outside a call) is
+        an error naming it, never a wait that does not end."""
+        try:
+            return _recv(self.conns[rank])
+        except (EOFError, ConnectionResetError, BrokenPipeError):
+            raise self._ended(rank) from None
+
+    def _write(self, rank: int, msg: Any) -> None:
+        try:
+            _send(self.conns[rank], msg)
+        except (ConnectionResetError, BrokenPipeError):
+            raise self._ended(rank) from None
+
+    def _ended(self, rank: int) -> RuntimeError:
+        proc = self.procs[rank]
+        proc.join(timeout=10)
+        return RuntimeError(f"rank {rank} of worker group `{self.name}` ended (exit code {proc.exitcode}) before it "
+                            f"answered")
+
+    def _reply(self, rank: int) -> Any:
+        kind, payload = self._read(rank)
         if kind == "error":
             raise payload
         return payload
 
     def on_rank(self, rank: int, method: str, *args: Any, **kwargs: Any) -> Any:
-        conn = self.conns[rank]
         if method in STREAMS:
             return self._stream(rank, method, args, kwargs)
-        _send(conn, ("call", method, args, kwargs))
-        return self._reply(conn)
+        self._write(rank, ("call", method, args, kwargs))
+        return self._reply(rank)
 
     def _stream(self, rank: int, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[Any]:
         control: StreamControl | None = kwargs.pop("control", None)
         export = self.exports[rank]
         export.clear()
-        conn = self.conns[rank]
-        _send(conn, ("stream", method, args, {**kwargs, "control": control is not None}))
+        self._write(rank, ("stream", method, args, {**kwargs, "control": control is not None}))
         while True:
-            kind, payload = _recv(conn)
+            kind, payload = self._read(rank)
             if kind == "progress":
                 assert control is not None
                 control.progress(payload)
