@@ -67,10 +67,11 @@ def _stale(module: str) -> bool:
     their own, not the first one imported."""
     top = module.partition(".")[0]
     loaded = sys.modules.get(top)
-    if loaded is None or getattr(loaded, "__file__", None) is None:
+    # a single-file module only (a user's reward file): a package (`tests`, an installed library) is never dropped
+    if loaded is None or getattr(loaded, "__file__", None) is None or hasattr(loaded, "__path__"):
         return False
     spec = importlib.machinery.PathFinder.find_spec(top, sys.path)
-    return spec is not None and spec.origin is not None and \
+    return spec is not None and spec.origin is not None and spec.submodule_search_locations is None and \
         os.path.realpath(spec.origin) != os.path.realpath(str(loaded.__file__))
 
 
