@@ -164,7 +164,7 @@ def test_the_references_held_out_forward_is_micro_batched() -> None:
 
 
 PEAK = """
-import gc, json, resource, sys
+import gc, json, sys
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 from flowrl.models.tokenizer import CharTokenizer
@@ -182,21 +182,34 @@ rows = [{"prompt": f"{i % 10}+{i % 7}=", **({"response": str(i % 10 + i % 7)} if
                                              {"chosen": str(i % 10 + i % 7), "rejected": str(i % 10 + i % 7 + 1)})}
         for i in range(n)]
 attrs = {"loss": loss, "beta": 0.1, EVAL_REF: torch.zeros(2 * n, 3)}  # no micro_batch: the default bound
-start = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+def status(key):  # kB, the kernel's count
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(key + ":"))
+
+def reset_peak():  # VmHWM back to the current RSS (proc(5), clear_refs "5"): a peak of this phase alone
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+gc.collect()
+reset_peak()
+start = status("VmRSS")
 warm = rows[:128]  # a micro-batch or two first: the forward's own buffers
 evaluate(job, rows_batch(warm), {**attrs, EVAL_REF: torch.zeros(2 * len(warm), 3)})
+warm_peak = status("VmHWM")
 gc.collect()
-before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+reset_peak()
+before = status("VmRSS")
 metrics = evaluate(job, rows_batch(rows), attrs)
-after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-print(json.dumps({"warm_rise_mb": (before - start) / 1024, "peak_rise_mb": (after - before) / 1024,
+after = status("VmHWM")
+print(json.dumps({"warm_rise_mb": (warm_peak - start) / 1024, "peak_rise_mb": (after - before) / 1024,
                   "metrics": metrics}))
 """
 
 
 def _peak_rise(rows: int, loss: str) -> float:
-    """The evaluation's peak resident memory (ru_maxrss) above the process's peak before it, in MB, in a fresh
-    process, after a warm-up evaluation of 128 rows whose own rise shows the measurement sees a micro-batch."""
+    """The evaluation's peak resident memory above the RSS before it, in MB, in a fresh process (the kernel's VmHWM,
+    reset before each phase: ru_maxrss cannot be, and in the full suite the start-up's peak hid the warm-up's rise),
+    after a warm-up evaluation of 128 rows whose own rise shows the measurement sees a micro-batch."""
     # glibc's mmap threshold fixed (it otherwise rises after a large free, moving later large blocks onto a heap
     # that fragments): freed logits go back to the system, so the peak is what the evaluation held, not the
     # allocator's cache
