@@ -91,7 +91,16 @@ def _serve(conn: Connection, export: Any, rank: int, world: int, port: int, mode
 
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     worker = ModelWorker(models, every, seed=seed, device=device, rank=rank, world=world)
-    while (msg := _recv(conn)) is not None:
+    while True:
+        try:
+            msg = _recv(conn)
+        except EOFError:  # the parent is gone
+            break
+        except Exception as e:  # a call this rank cannot unpickle: said to the caller, who waits for an answer
+            _send(conn, ("error", RuntimeError(f"rank {rank} could not read the call: {type(e).__name__}: {e}")))
+            continue
+        if msg is None:
+            break
         kind, method, args, kwargs = msg
         try:
             if kind == "stream":
