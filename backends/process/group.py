@@ -15,10 +15,10 @@ from __future__ import annotations
 import io
 import multiprocessing as mp
 import pickle
-import socket
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
+from datetime import timedelta
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -30,7 +30,7 @@ from flowrl.runtime import dispatch
 from flowrl.runtime.batch import Batch
 from flowrl.runtime.chunks import STREAMS
 from flowrl.runtime.protocol import Future, StreamedStage, WorkerGroup, done
-from flowrl.runtime.worker import ModelWorker
+from flowrl.runtime.worker import ModelWorker, drop_inherited_rendezvous
 
 
 class _Pickler(pickle.Pickler):
@@ -86,10 +86,12 @@ def _serve(conn: Connection, export: Any, rank: int, world: int, port: int, mode
     """A rank's process: join the data-parallel group, build the models, answer calls until told to stop."""
     if threads:
         torch.set_num_threads(threads)
+    drop_inherited_rendezvous()
     if world > 1:
         import torch.distributed as dist
 
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=_STORE_TIMEOUT)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     worker = ModelWorker(models, every, seed=seed, device=device, rank=rank, world=world)
     while True:
         try:
@@ -119,10 +121,15 @@ def _serve(conn: Connection, export: Any, rank: int, world: int, port: int, mode
     worker.close()  # told to stop: its environment pools' processes end now, not when this one exits
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+_STORE_TIMEOUT = timedelta(minutes=10)
+
+
+def _store() -> Any:
+    """The ranks' rendezvous, held by the parent on a port the kernel chose while it listens (a port found free and
+    then handed to the ranks can be taken in between)."""
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", 0, None, is_master=True, timeout=_STORE_TIMEOUT, wait_for_workers=False)
 
 
 class ProcessRanks:
@@ -138,7 +145,8 @@ class ProcessRanks:
         self.models = tuple(d.name for d in decls)
         self.pool = ThreadPoolExecutor(max_workers=world, thread_name_prefix=f"flowrl-{name}")
         ctx = mp.get_context("spawn")  # fork after torch has started threads is unsafe
-        port = _free_port()
+        self.store = _store() if world > 1 else None
+        port = self.store.port if self.store is not None else 0
         self.conns: list[Connection] = []
         self.exports: list[Any] = []
         self.procs: list[Any] = []
@@ -242,3 +250,4 @@ class ProcessRanks:
         for proc in self.procs:
             proc.join(timeout=10)
         self.pool.shutdown(wait=True)
+        self.store = None  # the rendezvous stops listening

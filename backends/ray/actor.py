@@ -22,7 +22,7 @@ import torch
 from flowrl.ir.graph import ModelDecl
 from flowrl.runtime.chunks import STREAMS
 from flowrl.runtime.dispatch import MODEL_CALLS
-from flowrl.runtime.worker import ModelWorker
+from flowrl.runtime.worker import ModelWorker, drop_inherited_rendezvous
 
 TICK_S = 0.02  # a stream pull returns at least this often, carrying the rank's progress
 DIST_TIMEOUT = timedelta(seconds=120)  # a collective that waits longer than this has lost a peer
@@ -36,6 +36,7 @@ class RankActor:
     def __init__(self, models: Sequence[ModelDecl], all_models: Sequence[ModelDecl], *, seed: int, device: str,
                  rank: int, world: int, threads: int = 1, crash_on_call: int | tuple[str, int] | None = None):
         torch.set_num_threads(max(1, threads))
+        drop_inherited_rendezvous()  # a Ray worker has the environment of the driver that started Ray
         self.rank, self.world = rank, world
         self.crash_on_call = crash_on_call
         self.calls = 0

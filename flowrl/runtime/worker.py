@@ -7,6 +7,7 @@ micro-batch losses of flowrl.runtime.rollout_loss.
 
 from __future__ import annotations
 
+import os
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from functools import partial
@@ -63,6 +64,18 @@ __all__ = [
     "ROLLOUT_KEYS", "ModelWorker", "PromptEncoder", "ended_with", "group_state", "init_model", "load_group_state",
     "model_seed", "prompt_slots", "prompt_texts", "resolve_device",
 ]
+
+RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+
+
+def drop_inherited_rendezvous() -> None:
+    """Forget the process-group rendezvous this rank's process inherited. A rank the runtime starts (a spawned
+    process, a Ray actor) takes its parent's environment, and with it the MASTER_PORT of a group the parent made for
+    itself (an in-process DeepSpeed engine sets it, and its store still listens there): the rank's group is the one
+    its backend joins, or, alone, one DeepSpeed makes on a port of its own."""
+    for key in RENDEZVOUS:
+        os.environ.pop(key, None)
+
 
 ROLLOUT_KEYS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "temperature")
 
