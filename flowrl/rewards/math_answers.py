@@ -18,6 +18,12 @@ a plain-text response's answer is the math at the end of its last line (`The poi
 `so y = 2x + 3`, `The roots are 1, 2, and 3`: `final_expression`), read whole; where there is none (`72 apples`,
 `72. Hope this helps!`) math-verify's reading of the text (its last number) is the answer.
 
+**Juxtaposed numbers and vanishing letters.** Two plain numbers side by side (`4 4`, `0 .5`, `12 3`) are not one
+expression (latex2sympy reads them as a product, or `4 4` as 8): the answer is the last of them, as in `72 apples`.
+Against a gold answer without variables, a response whose answer is made of letters that its value drops
+(`we0d`, `0x`, `x - x`: a product with 0, letters that cancel) is not a number and scores 0, whatever it
+simplifies to: otherwise any word with a 0 in it is right for the gold `0`.
+
 **Equations.** An equation whose left side is one variable equals its right side (math-verify's rule, as the MATH
 graders have it, since `y =` is routinely dropped): `2x + 3` is right for `y = 2x + 3`, and `x = 5` for `5`; a
 different equation (`y = 2x`) or a part of it (`3`) is not.
@@ -40,6 +46,8 @@ MATH_WORDS = frozenset("sqrt pi infty frac dfrac tfrac cdot times div pm mp cup 
                        "sin cos tan cot sec csc exp".split())
 JOINERS = frozenset({"and", "or"})
 MATHY = re.compile(r"[\d()\[\]{}=+\-*/^\\<>|,%!]")
+# a plain number: `4`, `-3`, `.5`, `1,000`, `7.` (not `1,` of a list)
+NUMBER = re.compile(r"^[-+]?(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d*)?|\.\d+)$")
 RELATION = re.compile(r"^(?:=|<|>|\\in|\\le|\\ge|\\leq|\\geq|\\ne|\\neq)")
 
 
@@ -60,6 +68,10 @@ def final_expression(response: str) -> str | None:
         if not (_is_math(token) or (token.lower() in JOINERS and span)):
             break
         span.insert(0, token)
+    for i in range(len(span) - 1, 0, -1):  # two plain numbers side by side: the answer is the last of them
+        if NUMBER.match(span[i]) and NUMBER.match(span[i - 1].rstrip(".")):
+            span = span[i:]
+            break
     while len(span) > 1 and (span[0].lower() in JOINERS or
                              (len(span[0]) == 1 and span[0].isalpha() and not RELATION.match(span[1]))):
         span.pop(0)
@@ -134,4 +146,12 @@ def grade(answer: str, response: str, timeout: int) -> float:
     got = read_response(response, timeout) if gold else []
     if not gold or not got:
         return 0.0
+    if not _symbols(gold[0]) and _symbols(_value_side(got[0])):
+        return 0.0  # letters in the answer to a number: `0x`, `x - x` (see the module docstring)
     return 1.0 if verify(gold, got, timeout_seconds=timeout) else 0.0
+
+
+def _value_side(value: Any) -> Any:
+    """What an answer says its value is: an equation's right side (`x = 5` is 5), else the answer itself."""
+    rhs = getattr(value, "rhs", None)
+    return rhs if rhs is not None and getattr(value, "lhs", None) is not None else value

@@ -117,9 +117,34 @@ def test_ordinary_answers_keep_their_scores(gold: str) -> None:
     ("Answer: 18 \\text{ cm}", "18 \\text{ cm}"),
     ("first line (1, 2)\nthen 7", "7"),  # the last line only
     ("\\begin{pmatrix} 1 \\\\ 2 \\end{pmatrix}", "\\begin{pmatrix} 1 \\\\ 2 \\end{pmatrix}"),
+    ("4 4", "4"),  # two plain numbers side by side are not one expression: the last is the answer
+    ("0 .5", ".5"),
+    ("It is 12 3.", "3"),
+    ("3 \\sqrt{2}", "3 \\sqrt{2}"),  # a number beside other math is a product, as written
+    ("1,000 2", "2"),
     ("72 apples", None),  # no math at the end: math-verify's own reading (its last number) decides
     ("It is 72. Hope this helps!", None),
     ("", None),
 ])
 def test_the_answer_at_the_end_of_a_plain_response(response: str, expression: str | None) -> None:
     assert final_expression(response) == expression
+
+
+# Responses a policy can write to any gold answer 0 (or any number): letters whose value vanishes. Each scored 1.0
+# for the gold `0` before (latex2sympy reads `we0d` as w*e*0*d, `0 .5` as 0*0.5, and verify simplified them to 0);
+# found comparing the grader before and after the multi-part change on random 4-character responses of
+# examples/math_word.flow's alphabet.
+VANISHING = [("0", "we0d"), ("0", "p0xy"), ("0", "g0h8"), ("0", "0x"), ("0", "x - x"), ("0", "0 .5"), ("0", "0 q6"),
+             ("0", "$0y$"), ("0", "\\boxed{0 \\cdot y}"), ("5", "5 + 0z"), ("3", "3 j"), ("4", "3 4 x")]
+STILL_RIGHT = [("0", "0"), ("0", "x = 0"), ("0", "\\boxed{0}"), ("0", "0 apples"), ("4", "4 4"), ("4", "3 4"),
+               ("0.5", "0 .5"), ("18", "18 cm"), ("x^2+1", "1 + x^2"), ("y = 2x + 3", "2x + 3"), ("5", "x = 5")]
+
+
+@pytest.mark.parametrize("gold,response", VANISHING)
+def test_letters_whose_value_vanishes_are_not_a_number(gold: str, response: str) -> None:
+    assert math_equal("a problem", response, answer=gold) == 0.0
+
+
+@pytest.mark.parametrize("gold,response", STILL_RIGHT)
+def test_numbers_and_expressions_beside_them_stay_right(gold: str, response: str) -> None:
+    assert math_equal("a problem", response, answer=gold) == 1.0
