@@ -3,7 +3,7 @@ process started in a jail of its own.
 
 Strict isolation (util-linux's `unshare`, `mount`, `chroot` and `setpriv`): each jail gets mount, network, PID and
 IPC namespaces of its own, in a fresh root that holds only `/usr` read-only, the interpreter (this process's own
-Python and its site-packages, read-only: numpy is there), a few devices, its own `/proc`, a small tmpfs `/tmp` (its
+Python and its site-packages, read-only: numpy is there), a few devices, its own `/proc`, a small tmpfs `/tmp` (`/tmp/work` its
 working directory) and `/dev/shm` (for `multiprocessing`), without capabilities or new privileges. So it sees no
 file of the host beyond those (the data set, the flow, the harness are not there), no network (a down loopback),
 no process outside its own, no System V IPC object of the host (and none it makes outlives it), and cannot signal
@@ -52,16 +52,22 @@ THREADS = {k: "1" for k in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_
 # most of a jail's start-up.
 JAIL = r"""
 set -e
-mount -t tmpfs -o size=4m,mode=755 flowrl-sandbox /tmp
-cd /tmp
+mount -t tmpfs -o size=4m,mode=755 flowrl-sandbox {root}
+cd {root}
 mkdir -p {dirs}
 : > dev/null
 : > dev/urandom
 {links}
 printf '%s\n' {table} > tmp/flowrl.fstab
 mount --all --fstab tmp/flowrl.fstab
+mkdir -m 1777 tmp/work
 exec chroot . setpriv {user} --inh-caps=-all --bounding-set=-all --no-new-privs -- "$@"
 """
+# Where the new root is put together: a tmpfs mounted over one of these (in the jail's mount namespace only), the
+# first that holds none of the folders bound into the root (a mount over it would hide them: a virtual environment
+# under /tmp was empty in the jail, so numpy and pytest were missing).
+STAGING = ("/tmp", "/mnt", "/media", "/srv", "/opt", "/var/tmp", "/run")
+JAIL_WORK = "/tmp/work"  # the solution's working directory: empty (its /tmp may hold a bound folder's mount point)
 AS_ITS_OWN_USER = "--reuid=$FLOWRL_UID --regid=$FLOWRL_UID --clear-groups"  # root only
 
 
@@ -159,8 +165,11 @@ def _probe() -> Isolation:
 def _try(way: str, python: Interpreter) -> str | None:
     """None when a jail of this way runs `python` here, else what went wrong."""
     try:
+        # the uid, once the interpreter's packages are there to import (a bind that did not land is an empty folder)
         probe = subprocess.run([*_jail_command(way, python), python.executable, "-I", "-S", "-c",
-                                "import os; print(os.getuid())"], capture_output=True, timeout=60,
+                                "import os, sys; gone = [p for p in sys.argv[1:] if not os.path.isdir(p) or not "
+                                "os.listdir(p)]; print(os.getuid()) if not gone else sys.exit(f'not in the jail: {gone}')",
+                                *python.paths], capture_output=True, timeout=60,
                                env=_jail_env(UIDS[next(_SEQUENCE) % len(UIDS)]))
     except (OSError, subprocess.TimeoutExpired) as e:
         return f"it did not start ({e})"
@@ -214,17 +223,29 @@ def _jail_command(way: str, python: Interpreter, scratch: int = 64 << 20) -> lis
     user = ["--user", "--map-root-user"] if way != "root" else []
     links, bound = _links()
     binds = [*bound, *python.mounts]
+    root = staging(["/usr", "/dev", "/proc", *binds])
     folders = ["usr", "proc", "dev/shm", "tmp", *("." + m for m in binds)]
     tmpfs = f"size={scratch},mode=1777,nosuid,nodev"
-    table = _table([("/usr", "/tmp/usr", "none", "bind,ro"), ("/dev/null", "/tmp/dev/null", "none", "bind"),
-                    ("/dev/urandom", "/tmp/dev/urandom", "none", "bind"),
-                    ("proc", "/tmp/proc", "proc", "nosuid,nodev,noexec"),
-                    ("flowrl-scratch", "/tmp/tmp", "tmpfs", tmpfs), ("flowrl-shm", "/tmp/dev/shm", "tmpfs", tmpfs),
-                    *((m, "/tmp" + m, "none", "bind,ro") for m in binds)])
-    script = JAIL.format(dirs=" ".join(shlex.quote(f) for f in folders), links=links, table=table,
-                         user=AS_ITS_OWN_USER if way == "root" else "")
+    # a bound folder under the jail's /tmp gets its mount point in the scratch tmpfs, once that is mounted
+    table = _table([("/usr", root + "/usr", "none", "bind,ro"), ("/dev/null", root + "/dev/null", "none", "bind"),
+                    ("/dev/urandom", root + "/dev/urandom", "none", "bind"),
+                    ("proc", root + "/proc", "proc", "nosuid,nodev,noexec"),
+                    ("flowrl-scratch", root + "/tmp", "tmpfs", tmpfs),
+                    ("flowrl-shm", root + "/dev/shm", "tmpfs", tmpfs),
+                    *((m, root + m, "none", "bind,ro,X-mount.mkdir") for m in binds)])
+    script = JAIL.format(root=shlex.quote(root), dirs=" ".join(shlex.quote(f) for f in folders), links=links,
+                         table=table, user=AS_ITS_OWN_USER if way == "root" else "")
     return ["unshare", *user, "--mount", "--net", "--pid", "--ipc", "--fork", "--kill-child", "--propagation",
             "private", "sh", "-c", script, "flowrl-jail"]
+
+
+def staging(sources: list[str]) -> str:
+    """The folder the jail's root is put together in: the first of `STAGING` that exists and is none of `sources`
+    nor holds one (else /tmp, and a probe finds the packages missing)."""
+    for folder in STAGING:
+        if os.path.isdir(folder) and not os.path.islink(folder) and not any(_under(src, folder) for src in sources):
+            return folder
+    return STAGING[0]
 
 
 def _jail_env(uid: int) -> dict[str, str]:
@@ -266,7 +287,7 @@ class Jailed:
             pool = TESTS_UIDS if tests else UIDS
             uid = pool[(os.getpid() if tests else os.getpid() * 7919 + next(_SEQUENCE)) % len(pool)]
             command, env, cwd = [*_jail_command(found.way, python, scratch), python.executable], _jail_env(uid), "/"
-            self.cwd, self.nproc = "/tmp", processes if found.way == "root" else _tasks_of(os.getuid()) + processes
+            self.cwd, self.nproc = JAIL_WORK, processes if found.way == "root" else _tasks_of(os.getuid()) + processes
         else:
             warn_once()
             self.work = tempfile.mkdtemp(prefix="flowrl-code-")

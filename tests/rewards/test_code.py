@@ -171,6 +171,8 @@ def test_the_harness_files_and_processes_are_out_of_sight(tmp_path: Path) -> Non
         parts = Path(mount).parts
         for depth in range(1, len(parts)):
             shown.setdefault(str(Path(*parts[:depth])), set()).add(parts[depth])
+    shown["/tmp"] = shown.get("/tmp", set()) | {"work"}  # the solution's empty working directory, and a mount point
+    # on the way to the interpreter's folders when they are under /tmp
     assert run_tests(listing, [f"assert set(ls('/')) <= {root | shown['/']} and 'usr' in ls('/')",
                                "assert PIDS == ['1']",
                                *[f"assert ls({folder!r}) == {sorted(names)}" for folder, names in shown.items()
@@ -358,3 +360,11 @@ def test_an_unprivileged_caller_is_jailed_in_a_user_namespace_or_told_why_not() 
         "Python only", "strict: namespaces (mount, network, PID, IPC), a user namespace of its own, a root holding "
         "/usr only (the system's Python: this one's folders could not be bound, so its packages are missing)")
     assert out == {**out, "snoop": [False], "seen": [True], "bomb": [False], "add": [True]}
+
+
+def test_the_root_is_put_together_where_no_bound_folder_is() -> None:
+    """A virtual environment under /tmp (a clone in /tmp/check): the jail's root is not staged over /tmp, which
+    would hide the packages being bound (before, numpy and pytest were missing in the jail, and its probe passed)."""
+    assert sandbox.staging(["/usr", "/dev", "/proc", "/work/x/.venv/lib/python3.11/site-packages"]) == "/tmp"
+    assert sandbox.staging(["/usr", "/tmp/check/.venv/lib/python3.11/site-packages"]) not in ("/tmp", "/usr")
+    assert run_tests("import numpy\nX = numpy.arange(3).sum()\n", ["import pytest\nassert X == 3"]) == [True]
