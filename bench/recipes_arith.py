@@ -7,6 +7,9 @@ temperature = 1.0)` (ppo: with `model critic : critic { source = actor }` added)
 after the other). Reported per template: mean reward over the first 10 and the last 10 steps, the first step at
 which the mean over the 10 steps before it reaches 0.5, generated tokens, and the run's wall time (on this script's
 clock). `--reuse` summarises run directories already in --out that hold all their steps.
+
+`--example math_word --steps 300 --target 0.3` swaps the template of examples/math_word.flow the same way (its line
+takes `prompts = problems` and `max_tokens = 4`; the table's second half in bench/RESULTS_recipes.md).
 """
 
 from __future__ import annotations
@@ -23,10 +26,11 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "grpo_arith.flow"
 TARGET = 0.5
+STEPS = 0  # 0: the flow's own
 
 
 def flow_for(template: str, folder: Path) -> Path:
-    """The example with its template swapped, written next to a copy of its data (relative paths)."""
+    """The example with its template swapped, written next to a link to its data (relative paths)."""
     text = EXAMPLE.read_text(encoding="utf-8").replace("use grpo(", f"use {template}(")
     if template == "ppo":  # the one template with a critic: the flow's comment says to declare it
         text = text.replace("model ref : reference { source = actor }\n",
@@ -34,7 +38,7 @@ def flow_for(template: str, folder: Path) -> Path:
     data = folder / "data"
     if not data.exists():
         data.symlink_to(ROOT / "examples" / "data")
-    path = folder / f"arith_{template}.flow"
+    path = folder / f"{EXAMPLE.stem}_{template}.flow"
     path.write_text(text, encoding="utf-8")
     return path
 
@@ -42,13 +46,14 @@ def flow_for(template: str, folder: Path) -> Path:
 def run(template: str, out: Path, reuse: bool) -> tuple[list[dict[str, Any]], float | None]:
     run_dir = out / f"out_{template}"
     metrics = run_dir / "metrics.jsonl"
-    if reuse and metrics.exists() and len(metrics.read_text().splitlines()) >= 300:
+    if reuse and metrics.exists() and len(metrics.read_text().splitlines()) >= (STEPS or 300):
         return [json.loads(line) for line in metrics.read_text().splitlines()], None
     flow = flow_for(template, out)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     t0 = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "flowrl", "run", str(flow), "--out", str(run_dir), "--overwrite", "--quiet"],
-                   env=env, check=True)
+    steps = ["--steps", str(STEPS)] if STEPS else []
+    subprocess.run([sys.executable, "-m", "flowrl", "run", str(flow), "--out", str(run_dir), "--overwrite", "--quiet",
+                    *steps], env=env, check=True)
     wall = time.perf_counter() - t0
     return [json.loads(line) for line in metrics.read_text().splitlines()], wall
 
@@ -62,11 +67,16 @@ def summary(rows: list[dict[str, Any]], wall: float | None) -> dict[str, Any]:
 
 
 def main() -> None:
+    global EXAMPLE, TARGET, STEPS
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "recipes")
     ap.add_argument("--templates", default="grpo,gspo,dr_grpo,cispo")
     ap.add_argument("--reuse", action="store_true")
+    ap.add_argument("--example", default="grpo_arith", help="examples/NAME.flow (its `use grpo(` line is swapped)")
+    ap.add_argument("--steps", type=int, default=0, help="steps of each run (0: the flow's own)")
+    ap.add_argument("--target", type=float, default=TARGET, help="the reward whose first reach is reported")
     args = ap.parse_args()
+    EXAMPLE, TARGET, STEPS = ROOT / "examples" / f"{args.example}.flow", args.target, args.steps
     args.out.mkdir(parents=True, exist_ok=True)
     table = {}
     for template in args.templates.split(","):

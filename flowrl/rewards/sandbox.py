@@ -3,11 +3,12 @@ process started in a jail of its own.
 
 Strict isolation (util-linux's `unshare`, `mount`, `chroot` and `setpriv`): each jail gets mount, network, PID and
 IPC namespaces of its own, in a fresh root that holds only `/usr` read-only, the interpreter (this process's own
-Python and its site-packages, read-only: numpy is there), a few devices, its own `/proc`, a small tmpfs `/tmp` (`/tmp/work` its
-working directory) and `/dev/shm` (for `multiprocessing`), without capabilities or new privileges. So it sees no
-file of the host beyond those (the data set, the flow, the harness are not there), no network (a down loopback),
-no process outside its own, no System V IPC object of the host (and none it makes outlives it), and cannot signal
-or trace the harness. Killing `unshare` kills the namespace's first process, and with it every process it started.
+Python and its site-packages, read-only: numpy is there), a few devices, its own `/proc`, a small tmpfs `/tmp`
+(`/tmp/work` its working directory) and `/dev/shm` (for `multiprocessing`), without capabilities or new privileges.
+So it sees no file of the host beyond those (the data set, the flow, the harness are not there), no network (a down
+loopback), no process outside its own, no System V IPC object of the host (and none it makes outlives it), and
+cannot signal or trace the harness. Killing `unshare` kills the namespace's first process, and with it every process
+it started.
 Two ways to get there, the first that works:
 - as root ("root"): the jail also runs as a user id of its own (solutions one of `UIDS`, the tests' process one of
   `TESTS_UIDS`, no groups), so its process limit counts its own processes only;
