@@ -28,6 +28,9 @@ log = logging.getLogger("flowrl.ray")
 # How often this driver reports its tasks' state changes to the GCS (Ray's default: every second): the serverless
 # cost report reads each step's instance tasks from them (backends/serverless/held.py) as the step ends.
 TASK_EVENTS_INTERVAL_MS = "20"
+# How long `ray.init` waits for a new local instance's GCS to say its port (Ray's default: 30 s). On a busy machine
+# the GCS has taken longer, and the run then failed before it began; read by ray.init, a user's setting wins.
+GCS_START_WAIT_S = "120"
 
 
 class Session:
@@ -62,6 +65,7 @@ class Session:
                 self._join(options)
             else:
                 os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a private local instance needs no token
+                os.environ.setdefault("RAY_gcs_server_port_wait_time_s", GCS_START_WAIT_S)
                 # Ray's unix sockets live under its temp dir, whose path must stay short, so the session's logs
                 # are linked into the run directory while Ray runs and copied there when it stops.
                 self._temp = Path(tempfile.mkdtemp(prefix="flowrl-ray-"))
