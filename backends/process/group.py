@@ -1,4 +1,4 @@
-"""Process ranks (process backend): a worker group as `world` spawned processes, each with its own copy of the
+"""Process ranks (process backend): a worker group as `world` forked processes, each with its own copy of the
 group's models (built from the same seed): real parallelism without Ray, on one machine.
 
 Calls are planned by `flowrl.runtime.dispatch` and run on the ranks at once (no shared GIL): generation, forwards,
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import io
 import multiprocessing as mp
+import os
 import pickle
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -81,9 +82,21 @@ class _ChildControl:
         return bool(self.export.is_set())
 
 
-def _serve(conn: Connection, export: Any, rank: int, world: int, port: int, models: list[ModelDecl],
-           every: list[ModelDecl], seed: int, device: str, threads: int) -> None:
-    """A rank's process: join the data-parallel group, build the models, answer calls until told to stop."""
+def _context() -> Any:
+    """Ranks fork from a server process that has imported this module (torch, transformers, the worker) once: a
+    spawned rank spent about 2 s of CPU importing them. The server only imports, so no thread pool has run when it
+    forks; forking the parent instead, after torch has started threads, is unsafe."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload([__name__])  # read when the server starts (this process's first rank)
+    return ctx
+
+
+def _serve(conn: Connection, export: Any, env: dict[str, str], rank: int, world: int, port: int,
+           models: list[ModelDecl], every: list[ModelDecl], seed: int, device: str, threads: int) -> None:
+    """A rank's process: join the data-parallel group, build the models, answer calls until told to stop. `env`:
+    the parent's environment when it started the rank (the fork server's is the one it had when it started)."""
+    os.environ.clear()
+    os.environ.update(env)
     if threads:
         torch.set_num_threads(threads)
     drop_inherited_rendezvous()
@@ -144,7 +157,7 @@ class ProcessRanks:
         self.name, self.world = name, world
         self.models = tuple(d.name for d in decls)
         self.pool = ThreadPoolExecutor(max_workers=world, thread_name_prefix=f"flowrl-{name}")
-        ctx = mp.get_context("spawn")  # fork after torch has started threads is unsafe
+        ctx = _context()
         self.store = _store() if world > 1 else None
         port = self.store.port if self.store is not None else 0
         self.conns: list[Connection] = []
@@ -154,8 +167,8 @@ class ProcessRanks:
             parent, child = ctx.Pipe()
             export = ctx.Event()
             proc = ctx.Process(target=_serve, daemon=True, args=(
-                child, export, rank, world, port, [_plain(d) for d in decls], [_plain(d) for d in every], seed,
-                device, threads))
+                child, export, dict(os.environ), rank, world, port, [_plain(d) for d in decls],
+                [_plain(d) for d in every], seed, device, threads))
             proc.start()
             child.close()  # the rank's end lives in the rank alone: its exit is then an EOF here, not a silence
             self.conns.append(parent)
