@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+import logging
+import os
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 import flowrl
 from flowrl.ir.graph import Graph
+
+# Every Ray head a test starts (ray.init here, `ray start --head` in a subprocess) waits up to 120 s for its GCS to
+# come up, as flowrl's own local instance does (backends/ray/cluster.py): Ray's 30 s ran out on a busy CI machine.
+os.environ.setdefault("RAY_gcs_server_port_wait_time_s", "120")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -63,3 +70,20 @@ def split_grpo(tmp_path: Path) -> Callable[..., Graph]:
         return flowrl.load(str(tmp_path / "f.flow"))
 
     return make
+
+
+@pytest.fixture(scope="session")
+def ray_session() -> Iterator[Any]:
+    """One local Ray instance (4 logical CPUs, 4 device slots: the serverless backend's) for every test that asks for
+    it, started by the first and kept to the session's end; the backends reuse it instead of starting their own."""
+    import ray  # the ray extra is part of the test set-up: a missing Ray fails, it is not skipped
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    # as flowrl's Session does: the serverless cost report reads each step's task events as the step ends
+    os.environ.setdefault("RAY_task_events_report_interval_ms", "20")
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=4, resources={"device_slot": 4}, include_dashboard=False, log_to_driver=False,
+                 logging_level=logging.WARNING, namespace="flowrl-tests")  # device slots: the serverless backend
+    yield ray
+    if started:
+        ray.shutdown()

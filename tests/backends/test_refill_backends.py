@@ -6,8 +6,6 @@ keeps the same groups as the local backend. The local run is the reference, made
 from __future__ import annotations
 
 import json
-import logging
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -66,24 +64,10 @@ def test_two_ranks_give_the_local_numbers(backend: str, tmp_path: Path, local: l
     _same(_clean(flowrl.run(graph, out_dir=tmp_path / "run", backend=backend).metrics), local, backend)
 
 
-@pytest.fixture(scope="module")
-def ray_slots() -> Iterator[Any]:
-    """A local Ray instance with 4 logical CPUs and device slots (the serverless backend's), reused by the backends."""
-    import ray
-
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=4, resources={"device_slot": 4}, include_dashboard=False, log_to_driver=False,
-                 logging_level=logging.WARNING, namespace="flowrl-tests")
-    yield ray
-    if started:
-        ray.shutdown()
-
-
 @pytest.mark.ray
 @pytest.mark.parametrize("backend", ["ray", "serverless"])
 def test_ray_and_serverless_give_the_local_numbers(backend: str, tmp_path: Path, local: list[dict[str, Any]],
-                                                   ray_slots: Any) -> None:
+                                                   ray_session: Any) -> None:
     if backend == "serverless":
         from flowrl.backends.serverless.backend import ServerlessBackend
 

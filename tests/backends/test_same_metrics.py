@@ -20,8 +20,6 @@ case (`longtail_ppo/process2`, two mini-batches) keeps its own recorded numbers,
 from __future__ import annotations
 
 import json
-import logging
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -106,23 +104,8 @@ def test_a_short_run_gives_its_flows_numbers(case: str, tmp_path: Path, update_g
 # -- serverless: generation split over instances, prompts ranked, tails migrated ---------------------------------
 
 
-@pytest.fixture(scope="module")
-def four_slots() -> Iterator[Any]:
-    """A local Ray instance with 4 logical CPUs and device slots, so a fused stage's two generation instances and
-    its forward instance run at once (the backend reuses it)."""
-    import ray
-
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=4, resources={"device_slot": 4}, include_dashboard=False, log_to_driver=False,
-                 logging_level=logging.WARNING, namespace="flowrl-tests")
-    yield ray
-    if started:
-        ray.shutdown()
-
-
 @pytest.mark.ray
-def test_serverless_generation_on_instances_gives_the_local_numbers(tmp_path: Path, four_slots: Any) -> None:
+def test_serverless_generation_on_instances_gives_the_local_numbers(tmp_path: Path, ray_session: Any) -> None:
     """grpo_arith's generation on the pool's 4 instances (scaling off), prompts ranked by predicted length and
     cut-and-migrate on: the local backend's numbers."""
     from flowrl.backends.serverless.backend import ServerlessBackend
@@ -134,7 +117,7 @@ def test_serverless_generation_on_instances_gives_the_local_numbers(tmp_path: Pa
 
 
 @pytest.mark.ray
-def test_serverless_tails_migrated_between_instances_give_the_local_numbers(tmp_path: Path, four_slots: Any) -> None:
+def test_serverless_tails_migrated_between_instances_give_the_local_numbers(tmp_path: Path, ray_session: Any) -> None:
     """longtail_grpo with its rollout pool at 2 instances, their tails cut at half their sequences finished and
     migrated to the other instance, streaming into the reference's forward (the fused stage): the local numbers."""
     from flowrl.backends.serverless.backend import ServerlessBackend

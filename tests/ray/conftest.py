@@ -4,9 +4,7 @@ private-head helpers (cluster_head.py) for the tests that join a cluster as a us
 from __future__ import annotations
 
 import importlib.util
-import logging
-import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -30,22 +28,6 @@ def cluster() -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-@pytest.fixture(scope="session")
-def ray_session() -> Iterator[Any]:
-    """A local Ray instance shared by every ray test; the backend reuses it instead of starting its own."""
-    import ray  # the ray extra is part of the test set-up: a missing Ray fails, it is not skipped
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    # as flowrl's Session does: the serverless cost report reads each step's task events as the step ends
-    os.environ.setdefault("RAY_task_events_report_interval_ms", "20")
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=4, resources={"device_slot": 4}, include_dashboard=False, log_to_driver=False,
-                 logging_level=logging.WARNING, namespace="flowrl-tests")  # device slots: the serverless backend
-    yield ray
-    if started:
-        ray.shutdown()
 
 
 def _flow_text(*, algo: str = "grpo", replicas: int = 1, placement: str = "", batch: int = 4, steps: int = 3,

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import math
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -225,25 +224,6 @@ def test_flowrl_eval_names_the_line_of_bad_data(tmp_path: Path, local_run: tuple
 # ---- every backend: the same numbers ----------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def ray_slots() -> Iterator[None]:
-    """A local Ray instance with device slots (the serverless backend), started by the Ray cases only, once (or the
-    session's, tests/ray/conftest.py, when it runs first)."""
-    import logging
-    import os
-
-    import ray
-
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=4, resources={"device_slot": 4}, include_dashboard=False, log_to_driver=False,
-                 logging_level=logging.WARNING, namespace="flowrl-tests")
-    yield
-    if started:
-        ray.shutdown()
-
-
 @pytest.mark.parametrize("backend", ["threads", "process", pytest.param("ray", marks=pytest.mark.ray),
                                      pytest.param("serverless", marks=pytest.mark.ray)])
 def test_every_backend_evaluates_with_the_local_numbers(backend: str, tmp_path: Path,
@@ -251,7 +231,7 @@ def test_every_backend_evaluates_with_the_local_numbers(backend: str, tmp_path: 
                                                         request: pytest.FixtureRequest) -> None:
     """The local run (`local_run`) is the reference."""
     if backend in ("ray", "serverless"):
-        request.getfixturevalue("ray_slots")
+        request.getfixturevalue("ray_session")
     rows, local_rows = flowrl.run(write(tmp_path), out_dir=tmp_path / "out", backend=backend).metrics, local_run[1]
     assert [r["step"] for r in rows if "eval/held/mean@4" in r] == [0, 2, 3]
     for got, want in zip(rows, local_rows, strict=True):

@@ -165,8 +165,9 @@ BACKENDS = ["threads", "process", pytest.param("ray", marks=pytest.mark.ray),
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_every_backend_runs_the_preference_flow_with_the_local_numbers(tmp_path: Path, backend: str,
-                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+                                                                       request: pytest.FixtureRequest) -> None:
+    if backend in ("ray", "serverless"):
+        request.getfixturevalue("ray_session")
     _write(tmp_path, _pairs(24, seed=4, held=8))
     local = _run(tmp_path, "local")
     other = _run(tmp_path, backend, backend=backend)
