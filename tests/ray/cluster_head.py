@@ -118,6 +118,14 @@ def sampled_run(flow: Path, tmp: Path, backend: str, slots: int, cpus: int = 2, 
     return json.loads(counted.read_text()), json.loads((tmp / "run" / "cost.json").read_text())
 
 
+def check_held(cost: dict[str, Any], sampled: dict[str, float]) -> None:
+    """The run's `held_s` agrees with the sampler's integral: within 5% (the run reads its tasks' records, the
+    sampler the cluster's reservations) plus the bound on the sampling's own error, which grows when a busy
+    machine spaces the samples out (slot_sampler.py)."""
+    held, busy = cost["held_s"], sampled["busy_slot_s"]
+    assert abs(held - busy) <= 0.05 * busy + sampled["uncertain_slot_s"], (held, sampled)
+
+
 def longtail_flow(out: Path, rollout: str, train: str = "1..1", run: str = "", batch: int = 8, group: int = 4,
                   max_tokens: int = 24) -> Path:
     """examples/longtail_grpo.flow, smaller (batch `batch`, group `group`, `max_tokens`), with elastic pools

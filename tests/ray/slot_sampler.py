@@ -1,7 +1,10 @@
 """A second driver on a Ray cluster that counts device slots in use from outside a run (tests/ray): it joins the
 cluster at ADDRESS, samples `ray.available_resources()` every ~10 ms and integrates the busy `device_slot`s
 (the cluster's total minus what is available) over time, until its standard input closes; then it writes
-{"busy_slot_s", "samples", "most_busy", "total"} to OUT as JSON.
+{"busy_slot_s", "uncertain_slot_s", "samples", "most_busy", "total"} to OUT as JSON. `uncertain_slot_s` bounds the
+sampling's own error: a change of the busy count falls somewhere between two samples, so each interval over which
+it changed may be off by the change times half the interval plus half a call's length. On a busy machine the
+samples come further apart than 10 ms, and the bound grows with them.
 
     python tests/ray/slot_sampler.py ADDRESS OUT READY [RESOURCE]
 
@@ -30,17 +33,28 @@ def main(address: str, out: Path, ready: Path, slot: str = SLOT) -> None:
     total = float(ray.cluster_resources().get(slot, 0.0))
     stop = threading.Event()
     threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
-    integral, samples, most = 0.0, 0, 0.0
-    last_t, last_busy = time.monotonic(), total - float(ray.available_resources().get(slot, 0.0))
+
+    def sample() -> tuple[float, float, float]:
+        """-> (busy slots, the time they were read at: the call's middle, half the call's length)."""
+        before = time.monotonic()
+        busy = total - float(ray.available_resources().get(slot, 0.0))
+        after = time.monotonic()
+        return busy, (before + after) / 2, (after - before) / 2
+
+    integral, uncertain, samples, most = 0.0, 0.0, 0, 0.0
+    last_busy, last_t, last_h = sample()
     ready.touch()
     while not stop.wait(PERIOD_S):
-        now = time.monotonic()
-        busy = total - float(ray.available_resources().get(slot, 0.0))
-        integral += (now - last_t) * (last_busy + busy) / 2  # trapezoids between samples
-        last_t, last_busy = now, busy
+        busy, t, h = sample()
+        integral += (t - last_t) * (last_busy + busy) / 2  # trapezoids between samples
+        # a change between two samples happened within [last_t - last_h, t + h]; the trapezoid puts it at the
+        # interval's middle: at most half the interval plus the wider half-call away
+        uncertain += abs(busy - last_busy) * ((t - last_t) / 2 + max(h, last_h))
+        last_busy, last_t, last_h = busy, t, h
         samples += 1
         most = max(most, busy)
-    out.write_text(json.dumps({"busy_slot_s": integral, "samples": samples, "most_busy": most, "total": total}))
+    out.write_text(json.dumps({"busy_slot_s": integral, "uncertain_slot_s": uncertain, "samples": samples,
+                               "most_busy": most, "total": total}))
     ray.shutdown()
 
 
