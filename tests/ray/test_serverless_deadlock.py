@@ -14,7 +14,7 @@ import pytest
 pytestmark = pytest.mark.ray
 
 
-STEPS = 50
+STEPS = 30
 
 
 @pytest.mark.parametrize("slots, fused, tokens", [(2, False, 64), (2, True, 16), (1, True, 16)],
