@@ -29,8 +29,14 @@ lint: setup
 typecheck: setup
 	$(BIN)/mypy -p flowrl
 
+# The suite runs on TEST_WORKERS pytest-xdist workers, which take its tests one at a time in the order tests/conftest.py
+# sets (`loadgroup`'s hand-out: with pytest 9, xdist 3.8's `xdist_group` marks group nothing, so no test is pinned to
+# a worker). TEST_WORKERS=0 runs it in one process.
+TEST_WORKERS ?= 2
+
 test: lint typecheck
-	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not autoscaling" --durations=25
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not autoscaling" --durations=25 \
+	  -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m autoscaling
 
 # TRL lives in its own venv (bench/.venv-trl, gitignored), never in .venv; created on first use.

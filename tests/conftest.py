@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 import flowrl
 from flowrl.ir.graph import Graph
@@ -18,11 +19,26 @@ from flowrl.ir.graph import Graph
 # come up, as flowrl's own local instance does (backends/ray/cluster.py): Ray's 30 s ran out on a busy CI machine.
 os.environ.setdefault("RAY_gcs_server_port_wait_time_s", "120")
 
+# Under `make test` each of the two pytest-xdist workers has one of the machine's cores: torch's default, a thread per
+# core in each, would have four threads share two cores. (Ranks and Ray workers set their own counts.)
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Tests marked `autoscaling` shut this process's Ray down and start an autoscaling cluster whose nodes are
-    processes of this machine: when collected with the others, they run last."""
-    items.sort(key=lambda item: item.get_closest_marker("autoscaling") is not None)
+    """The order the tests run in: tests marked `ray` (runs that start Ray workers, which mostly wait on Ray's
+    processes) first, then the files with a `slow` test (end-to-end training runs), then the rest, each file's tests
+    in their order. `make test` runs the suite on two pytest-xdist workers, which take the tests one at a time from
+    the front of this order: a long test taken last would leave one worker running it alone at the end. Tests
+    marked `autoscaling` shut this process's Ray down and start an autoscaling cluster whose nodes are processes of
+    this machine: when collected with the others, they run last."""
+    slow_files = {item.nodeid.split("::")[0] for item in items if item.get_closest_marker("slow")}
+
+    def rank(item: pytest.Item) -> tuple[bool, int]:
+        return (item.get_closest_marker("autoscaling") is not None,
+                0 if item.get_closest_marker("ray") else 1 if item.nodeid.split("::")[0] in slow_files else 2)
+
+    items.sort(key=rank)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -112,7 +112,12 @@ def test_serverless_generation_on_instances_gives_the_local_numbers(tmp_path: Pa
 
     run = flowrl.run(_load("grpo_arith", {}, tmp_path), out_dir=tmp_path, backend=ServerlessBackend(ablate={"scale"}),
                      steps=FLOWS["grpo_arith"][1])
-    assert {r["scale/colocated/instances"] for r in run.metrics} == {4.0}
+    # The first generation is split over all 4. A later one may take fewer: the instances pre-warmed for a step and
+    # not used are released at the next step's start and hold their slots until they have returned, which on a
+    # loaded machine can be after that step's generation is planned (test_serverless.py says the same). The numbers
+    # are the local ones however the rows were split.
+    instances = [r["scale/colocated/instances"] for r in run.metrics]
+    assert instances[0] == 4.0 and set(instances) <= {1.0, 2.0, 3.0, 4.0}, instances
     _check("grpo_arith", [_clean(r) for r in run.metrics], "grpo_arith/serverless")
 
 
@@ -126,6 +131,7 @@ def test_serverless_tails_migrated_between_instances_give_the_local_numbers(tmp_
                   ("pool rollout { gpus = 1 }", "pool rollout { gpus = 2 }"))
     run = flowrl.run(graph, out_dir=tmp_path, backend=ServerlessBackend(ablate={"scale"}),
                      steps=FLOWS["longtail_grpo"][1])
-    assert {r["scale/rollout/instances"] for r in run.metrics} == {2.0}
-    assert all(r["migrate/rollout/moved"] > 0 for r in run.metrics)  # every step moved rows between instances
+    instances = [r["scale/rollout/instances"] for r in run.metrics]
+    assert instances[0] == 2.0 and set(instances) <= {1.0, 2.0}, instances  # fewer: as above
+    assert all(r["migrate/rollout/moved"] > 0 for r in run.metrics if r["scale/rollout/instances"] == 2.0)
     _check("longtail_grpo", [_clean(r) for r in run.metrics], "longtail_grpo/serverless2")
